@@ -1,0 +1,118 @@
+"""Build the public benchmark prompt suite from held-out stdlib modules only.
+
+Four categories, at least 20 prompts each, written as JSONL {id, category, prompt, source}:
+  function_completion  a function's signature and docstring; continue with its body
+  copy_edit            a whole function, then the start of its rewrite (copy-heavy)
+  long_context         a large prefix of a module; continue it
+  docstring_to_code    a task described in comments, then the start of a def
+
+The held-out modules are those listed in the fixture family's split.json, so no prompt was
+seen in training. Deterministic: same interpreter, same suite.
+
+    python examples/make_prompt_suite.py --out benchmarks/prompts/public.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import random
+import sysconfig
+import textwrap
+from pathlib import Path
+
+SPLIT = Path(__file__).resolve().parents[1] / "treegraft_mlx/fixtures/tg-tiny/split.json"
+PER_CATEGORY = 24
+LONG_CONTEXT_CHARS = 2400  # ~700 tokens: prompt + 256 new tokens stay inside the trained 1024
+
+
+def module_path(module: str) -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split(".")).with_suffix(".py")
+
+
+def functions_with_docstrings(source: str):
+    """(node, source lines) of top-level and method definitions that carry a docstring."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            body_start = node.body[0]
+            if node.end_lineno - node.lineno < 4 or len(node.body) < 2:
+                continue
+            yield node, lines, body_start
+
+
+def build(modules: list[str]) -> list[dict]:
+    rng = random.Random(0)
+    funcs, prefixes = [], []
+    for module in modules:
+        try:
+            source = module_path(module).read_text(encoding="utf-8")
+            found = list(functions_with_docstrings(source))
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        # Generated codec tables (encodings.*) are excluded: they would flatter any drafter.
+        if len(source) > LONG_CONTEXT_CHARS * 1.5 and not module.startswith("encodings."):
+            cut = source.rfind("\n", 0, LONG_CONTEXT_CHARS) + 1
+            prefixes.append((module, source[:cut]))
+        for node, lines, first in found:
+            funcs.append((module, node, lines, first))
+    rng.shuffle(funcs)
+    rng.shuffle(prefixes)
+    prompts: list[dict] = []
+
+    def add(category: str, prompt: str, source: str) -> None:
+        n = sum(p["category"] == category for p in prompts)
+        prompts.append({"id": f"{category}-{n:03d}", "category": category, "prompt": prompt,
+                        "source": source})
+
+    def dedented(lines, start, end) -> str:
+        return textwrap.dedent("".join(lines[start - 1:end]))
+
+    pool = iter(funcs)
+    for module, node, lines, first in pool:
+        if sum(p["category"] == "function_completion" for p in prompts) >= PER_CATEGORY:
+            break
+        add("function_completion", dedented(lines, node.lineno, first.end_lineno),
+            f"{module}:{node.name}")
+    for module, node, lines, first in pool:
+        if sum(p["category"] == "copy_edit" for p in prompts) >= PER_CATEGORY:
+            break
+        body = dedented(lines, node.lineno, node.end_lineno)
+        if len(body) > 2000:
+            continue
+        header = dedented(lines, node.lineno, first.lineno - 1) if first.lineno > node.lineno else ""
+        prompt = (body + "\n\n# The same function, rewritten with clearer local names and "
+                  "comments:\n" + (header or body.splitlines(keepends=True)[0]))
+        add("copy_edit", prompt, f"{module}:{node.name}")
+    for module, node, lines, first in pool:
+        if sum(p["category"] == "docstring_to_code" for p in prompts) >= PER_CATEGORY:
+            break
+        doc = ast.get_docstring(node).strip().splitlines()
+        comment = "".join(f"# {line}".rstrip() + "\n" for line in doc[:8])
+        args = ", ".join(a.arg for a in node.args.args)
+        add("docstring_to_code", f"{comment}def {node.name}({args}):\n", f"{module}:{node.name}")
+    for module, prefix in prefixes[:PER_CATEGORY]:
+        add("long_context", prefix, module)
+    return prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/prompts/public.jsonl"))
+    args = ap.parse_args()
+    split = json.loads(SPLIT.read_text())
+    prompts = build(sorted(split["heldout"]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as f:
+        for p in prompts:
+            f.write(json.dumps(p) + "\n")
+    counts = {}
+    for p in prompts:
+        counts[p["category"]] = counts.get(p["category"], 0) + 1
+    print(f"{len(prompts)} prompts -> {args.out}: {counts}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+ARCHS = {
+    "llama": {},
+    "llama-untied-sharded": {"model_type": "llama", "tied": False, "shards": 3},
+    "llama3-rope": {"model_type": "llama", "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}},
+    "mistral": {"model_type": "mistral"},
+    "qwen2": {"model_type": "qwen2", "tied": False},
+    "qwen3": {"model_type": "qwen3"},
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One small random checkpoint per supported architecture variant."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, kw in ARCHS.items():
+        kw = dict(kw)
+        out[name] = make_checkpoint(root / name, kw.pop("model_type", "llama"), **kw)
+    return out

@@ -1,0 +1,176 @@
+"""Prompt -> prefill -> decode steps -> detokenized stream, with exact stopping.
+
+A decoding strategy is a generator of committed token blocks (one block per target forward).
+`stream` turns any such generator into text segments and stops exactly where autoregressive
+decoding would: at EOS, at a stop string, or at `max_tokens`, even inside a block.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import numpy as np
+
+from . import device
+from .cache import KVCache
+from .sampling import SamplerSettings, draw, target_probs
+
+Prompt = Union[str, Sequence[int]]
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a raw prompt string (no chat template, as in mlx_lm.generate) or ids."""
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
+
+
+def check_context(prompt_len: int, max_tokens: int, context: int) -> int:
+    """Refuse prompts past the context; shorten max_tokens to what still fits."""
+    if prompt_len >= context:
+        raise ValueError(f"the prompt has {prompt_len} tokens but the model's context is "
+                         f"{context}: shorten the prompt")
+    if prompt_len + max_tokens > context:
+        fit = context - prompt_len
+        warnings.warn(f"max_tokens {max_tokens} shortened to {fit} to fit the {context}-token context")
+        return fit
+    return max_tokens
+
+
+def prefill(model, cache: KVCache, ids: Sequence[int], step: int = 512) -> mx.array:
+    """Run the prompt through the model in chunks; return the last position's logits (V,)."""
+    logits = None
+    for start in range(0, len(ids), step):
+        chunk = mx.array([list(ids[start:start + step])])
+        last = start + step >= len(ids)
+        logits = model(chunk, cache=cache, logits_rows=mx.array([chunk.shape[1] - 1]) if last else mx.array([0]))
+        cache.commit()
+        mx.eval(logits, *cache.state())
+    return logits[0, -1]
+
+
+def pick(logits: mx.array, settings: SamplerSettings, rng: np.random.Generator) -> int:
+    """The next token from one row of target logits under the processed distribution."""
+    if settings.greedy:
+        return int(mx.argmax(logits).item())
+    return draw(target_probs(np.array(logits.astype(mx.float32)), settings), rng)
+
+
+def ar_steps(model, cache: KVCache, prompt_ids: Sequence[int], settings: SamplerSettings,
+             rng: np.random.Generator) -> Iterator[list[int]]:
+    """Autoregressive decoding: one committed token per target forward."""
+    token = pick(prefill(model, cache, prompt_ids), settings, rng)
+    while True:
+        yield [token]
+        logits = model(mx.array([[token]]), cache=cache)
+        cache.commit()
+        token = pick(logits[0, -1], settings, rng)
+
+
+@dataclass
+class Response:
+    """One streamed piece: new text, the tokens behind it, and running statistics."""
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    prompt_tps: float
+    generation_tps: float
+    finish_reason: Optional[str] = None
+    step_sizes: list[int] = field(default_factory=list)
+
+
+def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: int,
+           stop_strings: Sequence[str] = (), t_start: Optional[float] = None) -> Iterator[Response]:
+    """Detokenize committed blocks; stop at EOS / stop string / max_tokens inside a block.
+
+    Text that could still become the start of a stop string is held back until it cannot,
+    so nothing from a stop string onwards is ever emitted.
+    """
+    t_start = t_start if t_start is not None else time.perf_counter()
+    eos = set(tokenizer.eos_token_ids)
+    holdback = max((len(s) for s in stop_strings), default=1) - 1
+    detok = tokenizer.detokenizer
+    detok.reset()
+    produced: list[int] = []
+    sizes: list[int] = []
+    text, emitted, t_first, finish = "", 0, None, None
+    if max_tokens <= 0:
+        return
+    for block in steps:
+        t_first = t_first or time.perf_counter()
+        sizes.append(len(block))
+        new_tokens: list[int] = []
+        for tok in block:
+            if tok in eos:
+                finish = "stop"
+                break
+            detok.add_token(tok)
+            produced.append(tok)
+            new_tokens.append(tok)
+            text += detok.last_segment
+            cut = _first_stop(text, stop_strings, emitted)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            if len(produced) >= max_tokens:
+                finish = "length"
+                break
+        if finish is not None:
+            detok.finalize()
+            text += detok.last_segment
+            cut = _first_stop(text, stop_strings, emitted)
+            text = text if cut is None else text[:cut]
+        upto = len(text) if finish else max(emitted, len(text) - holdback)
+        piece, emitted = text[emitted:upto], upto
+        gen_time = max(time.perf_counter() - t_first, 1e-9)
+        yield Response(
+            text=piece, tokens=new_tokens, prompt_tokens=prompt_len,
+            generation_tokens=len(produced), steps=len(sizes),
+            prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
+            generation_tps=len(produced) / gen_time, finish_reason=finish, step_sizes=list(sizes))
+        if finish is not None:
+            return
+
+
+def _first_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:
+    """Where the earliest stop string starting at or after `search_from` begins."""
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i != -1]
+    return min(hits) if hits else None
+
+
+def stream_generate_ar(model, tokenizer, prompt: Prompt, max_tokens: int = 256,
+                       temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                       seed: Optional[int] = None, stop: Sequence[str] = ()) -> Iterator[Response]:
+    """Autoregressive generation on this runtime, streamed (the `ar` strategy)."""
+    device.warn_if_slow_blas()
+    settings = SamplerSettings(temp, top_p, top_k, min_p)
+    ids = encode_prompt(tokenizer, prompt)
+    context = model.args.max_position_embeddings
+    max_tokens = check_context(len(ids), max_tokens, context)
+    cache = model.make_cache(max_len=min(context, len(ids) + max_tokens + 1))
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    with device.wired_limit():
+        yield from stream(tokenizer, ar_steps(model, cache, ids, settings, rng), len(ids),
+                          max_tokens, stop, t0)
+
+
+def generate_ar(model, tokenizer, prompt: Prompt, **kwargs) -> tuple[str, list[int]]:
+    """Whole text and token ids of an autoregressive generation."""
+    text, ids = "", []
+    for r in stream_generate_ar(model, tokenizer, prompt, **kwargs):
+        text += r.text
+        ids += r.tokens
+    return text, ids
