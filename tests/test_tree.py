@@ -1,0 +1,173 @@
+"""Tree bookkeeping and drafters' tree logic, without any model (or with a tiny random one)."""
+
+import mlx.core as mx
+import numpy as np
+
+from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
+from treegraft_mlx.history import History
+from treegraft_mlx.tree import (DraftTree, ancestor_mask, attention_mask, build_cap, depths,
+                                path_to, positions, prune)
+
+
+def small_tree() -> DraftTree:
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    #   |
+    #   6
+    t = DraftTree.rooted_at(100)
+    t.add(0, 11, -1.0)
+    t.add(0, 12, -0.5)
+    t.add(1, 13, -3.0)
+    t.add(1, 14, -1.5)
+    t.add(2, 15, -0.7)
+    t.add(3, 16, -0.6)  # scores need not decrease along a path
+    return t
+
+
+def test_mask_positions_paths():
+    t = small_tree()
+    m = ancestor_mask(t.parent)
+    assert m[6].tolist() == [True, True, False, True, False, False, True]
+    assert m[5].tolist() == [True, False, True, False, False, True, False]
+    assert depths(t.parent).tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert path_to(t.parent, 6) == [0, 1, 3, 6]
+    assert t.path_tokens(6) == [100, 11, 13, 16]
+    full = np.array(attention_mask(t.parent, context=4, prefix=2))
+    assert full.shape == (9, 4 + 9)
+    assert full[0, :7].tolist() == [True] * 5 + [False] * 2  # prefix row 0: context + itself
+    assert full[1, :7].tolist() == [True] * 6 + [False]
+    assert full[2 + 6, 6:].tolist() == m[6].tolist() and full[2 + 6, :6].all()
+    assert np.array(positions(t.parent, 4, 2)).tolist() == [4, 5, 6, 7, 7, 8, 8, 8, 9]
+
+
+def test_prune_keeps_ancestors_and_budget():
+    t = small_tree()
+    keep = prune(t, 4)
+    # ranking: 2 (-0.5), 6 (-0.6, needs 1 and 3), 5 (-0.7), 1 (-1.0) ...
+    assert keep.tolist() == [0, 1, 2, 5]  # 6 would need 1 and 3 too: it does not fit
+    for v in keep:
+        for a in path_to(t.parent, int(v)):
+            assert a in keep
+    assert len(prune(t, 5)) == 5
+    assert prune(t, 5).tolist() == [0, 1, 2, 3, 6]
+    sub = t.subtree(prune(t, 5))
+    assert sub.token == [100, 11, 12, 13, 16] and sub.parent == [-1, 0, 0, 1, 3]
+    assert sub.child(3, 16) == 4
+    assert prune(t, 100).tolist() == list(range(7))
+
+
+def test_add_merges_existing_child_with_max_score():
+    t = small_tree()
+    n = len(t)
+    assert t.add(1, 13, -9.0) == 3 and t.score[3] == -3.0
+    assert t.add(1, 13, -2.0) == 3 and t.score[3] == -2.0
+    assert len(t) == n
+
+
+def test_ngram_index_incremental_equals_rebuilt():
+    rng = np.random.default_rng(0)
+    tokens = [int(x) for x in rng.integers(0, 6, size=300)]
+    inc = NgramIndex(4)
+    for end in range(0, 301, 37):
+        inc.extend(tokens[:end])
+    inc.extend(tokens)
+    full = NgramIndex(4)
+    full.extend(tokens)
+    assert dict(inc.ends) == dict(full.ends)
+    assert inc.most_frequent == full.most_frequent
+    gram = tuple(tokens[10:13])
+    assert all(tuple(tokens[e - 2:e + 1]) == gram for e in inc.occurrences(gram))
+
+
+def history_of(tokens):
+    h = History(tokens, capacity=len(tokens) + 8)
+    return h
+
+
+def test_ngram_layer_chains_scores_and_termination():
+    # context: "1 2 3 4 5 6 | 1 2 3 7 8 | 1 2 3" ; root = the last 3
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 3]
+    h = history_of(tokens)
+    ids = np.zeros((len(tokens), 10), dtype=np.int64)
+    lp = np.full((len(tokens), 10), -9.0, dtype=np.float32)
+    ids[8, 0], lp[8, 0] = 7, -0.25      # target log-prob of 7 after position 8
+    h.record(0, ids, lp)
+    d = NgramDrafter(n_max=5, top_k=2, depth=5)
+    d.observe(h, len(tokens))
+    t = DraftTree.rooted_at(3)
+    frontier = d.expand(t, [0], 1, h)
+    # two continuations of "1 2 3": "7 8 1 2 3" (recent) and "4 5 6 1 2"; chains reach depth 5
+    assert t.path_tokens(5) == [3, 7, 8, 1, 2, 3]
+    assert max(t.depth) == 5
+    first7, first4 = t.child(0, 7), t.child(0, 4)
+    assert frontier == [first7, first4]  # same match length: the more recent first
+    assert not t.terminated[0]  # top_k = 2 distinct first tokens were found
+    assert t.score[first7] == -0.25                      # scored from the recorded log-prob
+    assert t.score[first4] == -9.0 - 5.0                 # outside the top-10: 10th minus 5
+    assert t.score[t.child(first7, 8)] == float("-inf")  # deeper chain tokens are unscored
+    assert len(t) <= build_cap(2, 5)
+    # layer 2 proposes chains of length 4 under each frontier node, merging into existing ones
+    before = len(t)
+    d.expand(t, frontier, 2, h)
+    assert len(t) >= before and max(t.depth) == 5
+
+    # with top_k = 10 the same search finds too few branches: the root is terminated and
+    # its children do not enter the next frontier
+    wide = NgramDrafter(n_max=5, top_k=10, depth=5)
+    wide.observe(h, len(tokens))
+    t = DraftTree.rooted_at(3)
+    assert wide.expand(t, [0], 1, h) == [] and t.terminated[0] and len(t) > 1
+
+
+def test_ngram_layer1_fallback_adds_most_frequent_token():
+    h = history_of([5, 5, 9, 5, 7])
+    d = NgramDrafter()
+    d.observe(h, 5)
+    t = DraftTree.rooted_at(42)  # 42 never occurred: no match at all
+    out = d.expand(t, [0], 1, h)
+    assert t.token[1:] == [5] and out == [1]
+
+
+class FakeStrong:
+    """A drafter model whose next-token log-probs depend only on the last token."""
+
+    def __init__(self, vocab=12):
+        self.args = type("A", (), {"max_position_embeddings": 64, "num_hidden_layers": 1})()
+        rng = np.random.default_rng(1)
+        self.table = rng.standard_normal((vocab, vocab)).astype(np.float32) * 3
+
+    def make_cache(self, max_len=None):
+        from treegraft_mlx.cache import KVCache
+        return KVCache(1, 1, 2, 256)
+
+    def __call__(self, ids, cache=None, positions=None, mask=None, logits_rows=None):
+        ids = np.array(ids)[0]
+        if cache is not None:  # emulate the cache protocol: block pending, then caller commits
+            cache.pending = len(ids)
+        out = self.table[ids]
+        if logits_rows is not None:
+            out = out[np.array(logits_rows)]
+        return mx.array(out[None])
+
+
+def test_graft_rescores_reselects_shallow_and_deletes_nothing():
+    h = history_of([1, 2, 3, 4])
+    strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
+    t = DraftTree.rooted_at(4)
+    a = t.add(0, 9, 0.0)
+    b = t.add(a, 10, 0.0)
+    c = t.add(b, 11, 0.0)
+    before = [(t.parent[i], t.token[i]) for i in range(len(t))]
+    frontier = strong.expand(t, [c], 4, h)
+    after = [(t.parent[i], t.token[i]) for i in range(len(t))]
+    assert after[:len(before)] == before                   # nothing deleted or moved
+    logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
+    assert np.isclose(t.score[a], logp[4, 9], atol=1e-5)  # full replacement of scores
+    assert np.isclose(t.score[b], logp[4, 9] + logp[9, 10], atol=1e-5)
+    # the root (depth 0) is within the lookback: its best children are grafted
+    best_root = set(np.argsort(-logp[4])[:3].tolist())
+    assert {t.token[i] for i in t.children_of(0)} >= best_root
+    assert len(frontier) <= 3 and all(t.parent[f] in (0, a, b, c) for f in frontier)

@@ -1,0 +1,119 @@
+"""The weak drafter: continuations of n-grams that already occurred in the prompt or output.
+
+Free to run (no model). Its index is incremental: each committed token adds the n-grams that
+end at it; nothing is rebuilt per step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..history import History
+from ..tree import DraftTree, build_cap
+
+NEG_INF = float("-inf")
+
+
+class NgramIndex:
+    """End positions of every n-gram (n = 1..n_max) of a growing token sequence."""
+
+    def __init__(self, n_max: int):
+        self.n_max = n_max
+        self.ends: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self.length = 0
+        self.counts: dict[int, int] = defaultdict(int)
+        self.most_frequent = -1
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the new tail of the sequence; `tokens` is the whole sequence so far."""
+        for p in range(self.length, len(tokens)):
+            for n in range(1, min(self.n_max, p + 1) + 1):
+                self.ends[tuple(tokens[p - n + 1:p + 1])].append(p)
+            t = tokens[p]
+            self.counts[t] += 1
+            if self.most_frequent < 0 or self.counts[t] > self.counts[self.most_frequent]:
+                self.most_frequent = t
+        self.length = len(tokens)
+
+    def occurrences(self, gram: tuple[int, ...]) -> list[int]:
+        """End positions of `gram`, most recent first."""
+        return self.ends.get(gram, [])[::-1]
+
+
+class NgramDrafter:
+    """Context n-gram drafter (the paper's weak drafter W).
+
+    Layer l proposes chains of length max(1, N - (l - 1)), so every chain reaches depth N.
+    A parent whose search never finds `top_k` distinct first tokens is terminated.
+    """
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 5, top_k: int = 10, depth: int = 5,
+                 max_occurrences: int = 64):
+        self.n_max, self.top_k, self.depth = n_max, top_k, depth
+        self.max_occurrences = max_occurrences  # per n level, most recent first: bounds the cost
+        self.index = NgramIndex(n_max)
+
+    def observe(self, history: History, new_tokens: int) -> None:
+        self.index.extend(history.tokens)
+
+    def candidates(self, query: list[int], chain_len: int, tokens: list[int],
+                   existing: set[int]) -> tuple[list[tuple[int, int, list[int]]], bool]:
+        """(match length, end position, continuation) for one parent, and whether enough
+        distinct first tokens were found (False terminates the parent)."""
+        found: list[tuple[int, int, list[int]]] = []
+        seen: set[tuple[int, ...]] = set()
+        firsts = set(existing)
+        for n in range(min(self.n_max, len(query)), 0, -1):
+            taken = 0
+            for end in self.index.occurrences(tuple(query[-n:])):
+                if end + 1 >= len(tokens):
+                    continue  # nothing follows this occurrence yet
+                cont = tokens[end + 1:end + 1 + chain_len]
+                key = tuple(cont)
+                if key in seen:
+                    continue
+                seen.add(key)
+                found.append((n, end, cont))
+                firsts.add(cont[0])
+                taken += 1
+                if taken >= self.max_occurrences:
+                    break
+            if len(firsts) >= self.top_k:
+                return found, True
+        return found, False
+
+    def expand(self, tree: DraftTree, frontier: list[int], layer: int, history: History) -> list[int]:
+        chain_len = max(1, self.n_max - (layer - 1))
+        cap = build_cap(self.top_k, self.depth)
+        tokens = history.tokens
+        new_children: list[int] = []
+        for parent in frontier:
+            if tree.depth[parent] >= self.depth:
+                continue
+            query = tokens[-self.n_max:] + tree.path_tokens(parent)[1:]
+            existing = {tree.token[c] for c in tree.children_of(parent)}
+            found, enough = self.candidates(query, chain_len, tokens, existing)
+            found.sort(key=lambda f: (-f[0], -f[1], f[2][0]))
+            firsts = set(existing)
+            for n, end, cont in found:
+                if cont[0] not in firsts and len(firsts) >= self.top_k:
+                    continue
+                firsts.add(cont[0])
+                score = tree.score[parent] + history.logprob(end, cont[0])
+                node = parent
+                for j, tok in enumerate(cont):
+                    if len(tree) >= cap or tree.depth[node] >= self.depth:
+                        break
+                    node = tree.add(node, tok, score if j == 0 else NEG_INF, n, end)
+                    if j == 0 and node not in new_children:
+                        new_children.append(node)
+            if not enough:
+                tree.terminated[parent] = True
+        if layer == 1 and len(tree) == 1 and self.index.most_frequent >= 0:
+            # Nothing matched at all: the most frequent context token keeps the tree going.
+            return [tree.add(0, self.index.most_frequent, 0.0)]
+        live = [c for c in new_children if not tree.terminated[tree.parent[c]]]
+        live.sort(key=lambda i: (-tree.match_len[i], -tree.score[i], i))
+        return live if layer == 1 else live[: self.top_k]

@@ -1,0 +1,233 @@
+"""The decoding loop: draft tree (drafters) -> prune -> verify (target) -> accept -> compact.
+
+Every strategy is a generator of committed token blocks, one per target forward, so stopping,
+streaming and statistics are shared (generate.stream). Strategies by name:
+
+  ar                      the target alone
+  chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
+  ngram                   endpoint W: the n-gram drafter builds every layer
+  draft                   endpoint S: the strong drafter expands every layer
+  treegraft               the shared tree with the default schedule
+  treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
+
+Mean accepted length := generated tokens / target forwards after prefill (tokens per step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import device
+from .drafters import ModelDrafter, NgramDrafter
+from .family import Family, TreeConfig
+from .generate import Prompt, Response, ar_steps, check_context, encode_prompt, pick, stream
+from .history import History, top_logprobs
+from .sampling import SamplerSettings
+from .scheduler import FixedSchedule, parse_layers
+from .tree import DraftTree, prune
+from .verify import accept_greedy, accept_sample, verify
+
+DEFAULT_CHAIN_K = 4
+# Until the learned scheduler is calibrated, `treegraft` uses this fixed schedule.
+DEFAULT_COMBINE_LAYERS = frozenset({1, 3})
+
+
+@dataclass
+class StepStats:
+    accepted: int                 # drafts accepted (committed tokens this step - 1)
+    nodes_verified: int
+    nodes_built: int
+    layers: list[str]             # which drafter expanded each layer
+    t_draft: float
+    t_verify: float
+    t_accept: float
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    kind: str                                   # "ar", "chain" or "tree"
+    combine_layers: frozenset[int] = frozenset()
+    chain_k: int = DEFAULT_CHAIN_K
+
+    @property
+    def needs_strong(self) -> bool:
+        return self.kind == "chain" or (self.kind == "tree" and bool(self.combine_layers))
+
+
+STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-fixed:<layers>")
+
+
+def parse_strategy(name: str, depth: int = 5) -> Strategy:
+    if name == "ar":
+        return Strategy(name, "ar")
+    if name == "chain" or name.startswith("chain:"):
+        k = int(name.split(":", 1)[1]) if ":" in name else DEFAULT_CHAIN_K
+        if k < 1:
+            raise ValueError(f"chain length must be >= 1, got {k}")
+        return Strategy(name, "chain", chain_k=k)
+    if name == "ngram":
+        return Strategy(name, "tree")
+    if name == "draft":
+        return Strategy(name, "tree", frozenset(range(1, depth + 1)))
+    if name == "treegraft":
+        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS)
+    if name.startswith("treegraft-fixed:"):
+        return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
+    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+class SpeculativeDecoder:
+    """Runs one generation with a chain or tree strategy; records StepStats per step."""
+
+    def __init__(self, family: Family, strategy: Strategy, settings: SamplerSettings,
+                 rng: np.random.Generator, tree: Optional[TreeConfig] = None):
+        self.target = family.target
+        self.tree_cfg = tree or family.tree
+        self.strategy, self.settings, self.rng = strategy, settings, rng
+        cfg = self.tree_cfg
+        self.drafters: list = [NgramDrafter(cfg.n_max, cfg.top_k, cfg.depth)]
+        if strategy.needs_strong:
+            if family.strong is None:
+                raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+            self.drafters.append(ModelDrafter(family.strong, "draft", cfg.top_k, cfg.depth, cfg.lookback))
+        self.schedule = FixedSchedule(strategy.combine_layers)
+        self.stats: list[StepStats] = []
+
+    @property
+    def drafter_calls(self) -> int:
+        return sum(getattr(d, "calls", 0) for d in self.drafters)
+
+    def _prefill(self, cache, ids: list[int]) -> tuple[History, int]:
+        """Prefill keeping the target's top-10 log-probs at every prompt position."""
+        history = History(ids, capacity=len(ids) + 1024)
+        step, last = 512, None
+        for start in range(0, len(ids), step):
+            logits = self.target(mx.array([ids[start:start + step]]), cache=cache)[0]
+            cache.commit()
+            top_ids, top_lp = top_logprobs(logits)
+            history.record(start, top_ids, top_lp)
+            last = logits[-1]
+        root = pick(last, self.settings, self.rng)
+        history.extend([root])
+        for d in self.drafters:
+            d.observe(history, len(history.tokens))
+        return history, root
+
+    def _build(self, root: int, history: History) -> tuple[DraftTree, list[str]]:
+        cfg = self.tree_cfg
+        tree = DraftTree.rooted_at(root)
+        if self.strategy.kind == "chain":
+            strong = self.drafters[-1]
+            for tok in strong.draft_chain(root, self.strategy.chain_k, history):
+                tree.add(len(tree) - 1, tok, 0.0)
+            return tree, [strong.name] * self.strategy.chain_k
+        frontier, used = [0], []
+        for layer in range(1, cfg.depth + 1):
+            drafter = self.drafters[self.schedule.choose(layer, len(self.drafters))]
+            frontier = drafter.expand(tree, frontier, layer, history)
+            used.append(drafter.name)
+        return tree, used
+
+    def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
+        # Room past the context for one pending tree (its rows are never committed beyond it).
+        args = self.target.args
+        cache = self.target.make_cache(max_len=args.max_position_embeddings + self.tree_cfg.budget)
+        history, root = self._prefill(cache, prompt_ids)
+        while True:
+            t0 = time.perf_counter()
+            full, used = self._build(root, history)
+            tree = full.subtree(prune(full, self.tree_cfg.budget))
+            t1 = time.perf_counter()
+            logits = verify(self.target, cache, tree)
+            mx.eval(logits)
+            t2 = time.perf_counter()
+            if self.settings.greedy:
+                acc = accept_greedy(tree, logits)
+            else:
+                acc = accept_sample(tree, logits, self.settings, self.rng)
+            cache.keep(acc.path)
+            top_ids, top_lp = top_logprobs(logits[mx.array(acc.path)])
+            history.record(history.committed, top_ids, top_lp)
+            block = [tree.token[i] for i in acc.path]
+            history.extend(block[1:] + [acc.bonus])
+            for d in self.drafters:
+                d.observe(history, len(block))
+            self.stats.append(StepStats(len(acc.path) - 1, len(tree), len(full), used,
+                                        t1 - t0, t2 - t1, time.perf_counter() - t2))
+            yield block
+            root = acc.bonus
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    steps: int
+    mean_accepted: float
+    tokens_per_sec: float
+    strategy: str
+    drafter_calls: int
+    finish_reason: Optional[str]
+    step_stats: list[StepStats] = field(default_factory=list)
+
+    @property
+    def generation_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
+                    max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
+                    top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
+                    stop: Sequence[str] = (), tree: Optional[TreeConfig] = None,
+                    decoder_out: Optional[list] = None) -> Iterator[Response]:
+    """Stream a generation with any strategy; output is exactly the target's.
+
+    `prompt` is a raw string (no chat template) or token ids. `decoder_out`, if given, receives
+    the decoder so callers can read per-step statistics.
+    """
+    device.warn_if_slow_blas()
+    settings = SamplerSettings(temp, top_p, top_k, min_p)
+    cfg = tree or family.tree
+    strat = parse_strategy(strategy, cfg.depth)
+    ids = encode_prompt(family.tokenizer, prompt)
+    context = family.target.args.max_position_embeddings
+    # Drafts are verified past the last token: leave room for one full tree path.
+    max_tokens = check_context(len(ids), max_tokens, context - cfg.depth - 1)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    if strat.kind == "ar":
+        cache = family.target.make_cache()
+        steps = ar_steps(family.target, cache, ids, settings, rng)
+    else:
+        decoder = SpeculativeDecoder(family, strat, settings, rng, cfg)
+        if decoder_out is not None:
+            decoder_out.append(decoder)
+        steps = decoder.steps(ids)
+    with device.wired_limit():
+        yield from stream(family.tokenizer, steps, len(ids), max_tokens, stop, t0)
+
+
+def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwargs) -> GenerationResult:
+    """Whole generation with statistics (see stream_generate for the arguments)."""
+    holder: list[SpeculativeDecoder] = []
+    text, ids, last = "", [], None
+    for r in stream_generate(family, prompt, strategy, decoder_out=holder, **kwargs):
+        text += r.text
+        ids += r.tokens
+        last = r
+    decoder = holder[0] if holder else None
+    steps = last.steps if last else 0
+    return GenerationResult(
+        text=text, token_ids=ids, prompt_tokens=last.prompt_tokens if last else 0, steps=steps,
+        mean_accepted=len(ids) / steps if steps else 0.0,
+        tokens_per_sec=last.generation_tps if last else 0.0, strategy=strategy,
+        drafter_calls=decoder.drafter_calls if decoder else 0,
+        finish_reason=last.finish_reason if last else None,
+        step_stats=decoder.stats if decoder else [])

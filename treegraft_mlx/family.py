@@ -1,0 +1,86 @@
+"""A model family: one target, its drafters (same tokenizer), and the tree settings to use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .fixtures import family_manifest
+from .loading import LoadError, load_model, resolve_path
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Tree shape (paper defaults) and verification budget.
+
+    The budget default is the paper's; on devices where verifying many nodes costs much more
+    than one (every CPU), calibrate it and store it in the bundle's manifest.
+    """
+
+    top_k: int = 10
+    depth: int = 5
+    budget: int = 64
+    lookback: int = 5
+    n_max: int = 5
+
+    def __post_init__(self):
+        if self.top_k < 1 or self.depth < 1 or self.budget < 1 or self.n_max < 1:
+            raise ValueError(f"tree settings must be positive: {self}")
+
+
+@dataclass
+class Family:
+    target: object
+    tokenizer: object
+    drafters: dict[str, object] = field(default_factory=dict)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    path: Optional[Path] = None
+
+    @property
+    def strong(self):
+        """The strong drafter model (the last one named), or None."""
+        return list(self.drafters.values())[-1] if self.drafters else None
+
+
+def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
+    """Drafts are token ids: a drafter must share the target's vocabulary exactly."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        only_a = sorted(set(va) - set(vb))[:5]
+        only_b = sorted(set(vb) - set(va))[:5]
+        moved = sorted(t for t in set(va) & set(vb) if va[t] != vb[t])[:5]
+        raise LoadError(
+            f"tokenizer mismatch between {a_name} and {b_name}: vocabulary sizes {len(va)} vs "
+            f"{len(vb)}; only in {a_name}: {only_a}; only in {b_name}: {only_b}; "
+            f"different ids: {moved}")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(a, attr, None) != getattr(b, attr, None):
+            raise LoadError(f"tokenizer mismatch between {a_name} and {b_name}: {attr} "
+                            f"{getattr(a, attr, None)} vs {getattr(b, attr, None)}")
+
+
+def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, Path]] = (),
+         tree: Optional[TreeConfig] = None, **model_kwargs) -> Family:
+    """Load a family from a bundle directory (with treegraft.json) or a target plus drafters."""
+    root = resolve_path(target_path_or_bundle)
+    manifest_file = root / "treegraft.json"
+    settings = {}
+    if manifest_file.exists():
+        manifest = family_manifest(root)
+        target_dir = root / manifest["target"]
+        drafter_dirs = [(name, root / rel) for name, rel in manifest.get("drafters", {}).items()]
+        settings = manifest.get("tree", {})
+    else:
+        target_dir, drafter_dirs = root, []
+    drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
+    target, tokenizer = load_model(target_dir, **model_kwargs)
+    loaded = {}
+    for name, d in drafter_dirs:
+        model, tok = load_model(d, **model_kwargs)
+        check_same_tokenizer(tokenizer, tok, "target", f"drafter {name}")
+        loaded[name] = model
+    if tree is None:
+        tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
+    return Family(target, tokenizer, loaded, tree, root)
+

@@ -1,0 +1,63 @@
+"""The known sequence (committed tokens + the pending root) and the target's view of it.
+
+Drafters read from here: the tokens for n-gram matching and the target's top-10 log-probs
+per position, kept from prefill and from every verification, so that matches anywhere in the
+prompt or the generated text carry real scores.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+TOP_LOGPROBS = 10
+OUTSIDE_TOP_PENALTY = 5.0  # a token outside the top-10 scores the 10th value minus this
+
+
+class History:
+    def __init__(self, tokens: list[int], capacity: int):
+        self.tokens: list[int] = list(tokens)
+        self.top_ids = np.full((capacity, TOP_LOGPROBS), -1, dtype=np.int64)
+        self.top_lp = np.full((capacity, TOP_LOGPROBS), -np.inf, dtype=np.float32)
+
+    @property
+    def committed(self) -> int:
+        """Tokens in the target's cache: everything but the pending root."""
+        return len(self.tokens) - 1
+
+    @property
+    def root(self) -> int:
+        return self.tokens[-1]
+
+    def record(self, start: int, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """Keep top-10 (ids, log-probs) rows, from `top_logprobs`, for positions start, ..."""
+        k = TOP_LOGPROBS
+        order = np.argsort(-logprobs, axis=-1, kind="stable")
+        end = start + len(ids)
+        if end > len(self.top_ids):
+            grow = max(end, 2 * len(self.top_ids)) - len(self.top_ids)
+            self.top_ids = np.concatenate([self.top_ids, np.full((grow, k), -1, np.int64)])
+            self.top_lp = np.concatenate([self.top_lp, np.full((grow, k), -np.inf, np.float32)])
+        self.top_ids[start:end] = np.take_along_axis(ids, order, -1)
+        self.top_lp[start:end] = np.take_along_axis(logprobs, order, -1)
+
+    def logprob(self, position: int, token: int) -> float:
+        """Target log-prob of `token` following `position` (0.0 where nothing was recorded)."""
+        ids = self.top_ids[position]
+        if ids[0] < 0:
+            return 0.0
+        hit = np.flatnonzero(ids == token)
+        if hit.size:
+            return float(self.top_lp[position, hit[0]])
+        return float(self.top_lp[position, -1]) - OUTSIDE_TOP_PENALTY
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+
+def top_logprobs(logits: mx.array, k: int = TOP_LOGPROBS) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k token ids and their log-probs per row, computed in MLX (only k values leave it)."""
+    x = logits.astype(mx.float32)
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    ids = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]
+    return np.array(ids), np.array(mx.take_along_axis(lp, ids, -1))

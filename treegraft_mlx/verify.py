@@ -1,0 +1,67 @@
+"""Verification: one target forward over the pruned tree, then lossless acceptance.
+
+Greedy acceptance follows the target's argmax down the tree. Sampling acceptance treats each
+node's distinct children as deterministic proposals: child x is accepted with probability p(x)
+under the processed target distribution; on rejection p(x) is zeroed and renormalised; when
+all children are rejected the bonus token is drawn from the residual. The output is therefore
+distributed exactly as the target's own samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache
+from .sampling import SamplerSettings, draw, target_probs
+from .tree import DraftTree, attention_mask, positions
+
+
+@dataclass
+class Acceptance:
+    path: list[int]   # tree nodes committed this step: the root, then the accepted drafts
+    bonus: int        # the target's own next token after the path: the next root
+
+
+def verify(target, cache: KVCache, tree: DraftTree) -> mx.array:
+    """Target logits (N, V) for every node of the tree; the tree stays pending in the cache."""
+    ctx = cache.offset
+    logits = target(mx.array([tree.token]), cache=cache, positions=positions(tree.parent, ctx),
+                    mask=attention_mask(tree.parent, ctx))
+    return logits[0]
+
+
+def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
+    """Longest path whose drafts all equal the target's argmax; bonus = argmax after it."""
+    best = np.array(mx.argmax(logits, axis=-1))
+    node, path = 0, [0]
+    while True:
+        nxt = tree.child(node, int(best[node]))
+        if nxt < 0:
+            return Acceptance(path, int(best[node]))
+        node = nxt
+        path.append(node)
+
+
+def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
+                  rng: np.random.Generator) -> Acceptance:
+    """Recursive rejection over distinct children (best-scored first): exactly lossless."""
+    node, path = 0, [0]
+    while True:
+        p = target_probs(np.array(logits[node].astype(mx.float32)), settings)
+        kids = sorted(tree.children_of(node), key=lambda c: (-tree.score[c], c))
+        accepted = -1
+        for c in kids:
+            x = tree.token[c]
+            # p[x] ~ 1 means nothing else is left: accept rather than renormalise zero mass.
+            if p[x] > 0 and (rng.random() < p[x] or p[x] >= 1.0 - 1e-12):
+                accepted = c
+                break
+            p[x] = 0.0
+            p /= p.sum()
+        if accepted < 0:
+            return Acceptance(path, draw(p, rng))
+        node = accepted
+        path.append(node)
