@@ -491,6 +491,16 @@ def main() -> None:
             "drafter": export(args.work, args.out, "drafter", DRAFTER, Path("drafters/tg-tiny-draft")),
         }
         (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
+        tok_hash = hashlib.sha256((args.work / "tokenizer.json").read_bytes()).hexdigest()
+        (args.out / "treegraft.json").write_text(json.dumps({
+            "format_version": 1,
+            "name": "tg-tiny",
+            "target": "target",
+            "drafters": {"tg-tiny-draft": "drafters/tg-tiny-draft"},
+            "roles": {"target": "target", "strong": "tg-tiny-draft", "weak": "ngram"},
+            "tokenizer_sha256": tok_hash,
+            "vocab_size": TARGET.vocab_size,
+        }, indent=2))
         print(json.dumps(report, indent=2))
 
 

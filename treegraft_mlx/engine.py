@@ -139,6 +139,8 @@ class SpeculativeDecoder:
         args = self.target.args
         cache = self.target.make_cache(max_len=args.max_position_embeddings + self.tree_cfg.budget)
         history, root = self._prefill(cache, prompt_ids)
+        self.history = history
+        yield []  # prefill done
         while True:
             t0 = time.perf_counter()
             full, used = self._build(root, history)

@@ -36,6 +36,7 @@ class Family:
     drafters: dict[str, object] = field(default_factory=dict)
     tree: TreeConfig = field(default_factory=TreeConfig)
     path: Optional[Path] = None
+    model_paths: dict[str, Path] = field(default_factory=dict)  # "target" and each drafter
 
     @property
     def strong(self):
@@ -75,12 +76,13 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
     target, tokenizer = load_model(target_dir, **model_kwargs)
-    loaded = {}
+    loaded, paths = {}, {"target": target_dir}
     for name, d in drafter_dirs:
+        paths[name] = d
         model, tok = load_model(d, **model_kwargs)
         check_same_tokenizer(tokenizer, tok, "target", f"drafter {name}")
         loaded[name] = model
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
-    return Family(target, tokenizer, loaded, tree, root)
+    return Family(target, tokenizer, loaded, tree, root, paths)
 

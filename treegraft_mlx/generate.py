@@ -1,6 +1,8 @@
 """Prompt -> prefill -> decode steps -> detokenized stream, with exact stopping.
 
-A decoding strategy is a generator of committed token blocks (one block per target forward).
+A decoding strategy is a generator of committed token blocks (one block per target forward),
+preceded by one empty block that marks the end of the prefill (so that generation speed
+excludes prompt processing for every strategy alike).
 `stream` turns any such generator into text segments and stops exactly where autoregressive
 decoding would: at EOS, at a stop string, or at `max_tokens`, even inside a block.
 """
@@ -15,7 +17,6 @@ from typing import Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from . import device
 from .cache import KVCache
 from .sampling import SamplerSettings, draw, target_probs
 
@@ -70,6 +71,7 @@ def ar_steps(model, cache: KVCache, prompt_ids: Sequence[int], settings: Sampler
              rng: np.random.Generator) -> Iterator[list[int]]:
     """Autoregressive decoding: one committed token per target forward."""
     token = pick(prefill(model, cache, prompt_ids), settings, rng)
+    yield []  # prefill done
     while True:
         yield [token]
         logits = model(mx.array([[token]]), cache=cache)
@@ -109,7 +111,10 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
     if max_tokens <= 0:
         return
     for block in steps:
-        t_first = t_first or time.perf_counter()
+        if t_first is None:
+            t_first = time.perf_counter()
+            if not block:
+                continue
         sizes.append(len(block))
         new_tokens: list[int] = []
         for tok in block:
@@ -148,29 +153,3 @@ def _first_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[i
     """Where the earliest stop string starting at or after `search_from` begins."""
     hits = [i for i in (text.find(s, search_from) for s in stops) if i != -1]
     return min(hits) if hits else None
-
-
-def stream_generate_ar(model, tokenizer, prompt: Prompt, max_tokens: int = 256,
-                       temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                       seed: Optional[int] = None, stop: Sequence[str] = ()) -> Iterator[Response]:
-    """Autoregressive generation on this runtime, streamed (the `ar` strategy)."""
-    device.warn_if_slow_blas()
-    settings = SamplerSettings(temp, top_p, top_k, min_p)
-    ids = encode_prompt(tokenizer, prompt)
-    context = model.args.max_position_embeddings
-    max_tokens = check_context(len(ids), max_tokens, context)
-    cache = model.make_cache(max_len=min(context, len(ids) + max_tokens + 1))
-    rng = np.random.default_rng(seed)
-    t0 = time.perf_counter()
-    with device.wired_limit():
-        yield from stream(tokenizer, ar_steps(model, cache, ids, settings, rng), len(ids),
-                          max_tokens, stop, t0)
-
-
-def generate_ar(model, tokenizer, prompt: Prompt, **kwargs) -> tuple[str, list[int]]:
-    """Whole text and token ids of an autoregressive generation."""
-    text, ids = "", []
-    for r in stream_generate_ar(model, tokenizer, prompt, **kwargs):
-        text += r.text
-        ids += r.tokens
-    return text, ids

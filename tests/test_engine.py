@@ -1,0 +1,123 @@
+"""Engine: exact greedy output for every strategy, exact stopping, drafter cache sync."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from treegraft_mlx import fixture_path, generate, load
+from treegraft_mlx.bench import first_per_category, read_prompts
+from treegraft_mlx.drafters import ModelDrafter
+from treegraft_mlx.engine import SpeculativeDecoder, parse_strategy
+from treegraft_mlx.generate import stream
+from treegraft_mlx.loading import load_tokenizer
+from treegraft_mlx.sampling import SamplerSettings
+from treegraft_mlx.tree import DraftTree
+
+SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
+STRATEGIES = ["chain", "ngram", "draft", "treegraft", "treegraft-fixed:2,4"]
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def family():
+    return load(fixture_path())
+
+
+def suite_prompts(per_category: int = 5) -> list[dict]:
+    return first_per_category(read_prompts(SUITE), per_category)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_target():
+    model, tokenizer = mlx_lm.load(str(fixture_path() / "target"))
+    model.set_dtype(mx.float32)  # our runtime computes in fp32 on CPU: compare like with like
+    return model, tokenizer
+
+
+def test_greedy_output_identical_for_every_strategy(family, mlx_lm_target):
+    prompts = suite_prompts()
+    assert len(prompts) == 20
+    ref_model, ref_tok = mlx_lm_target
+    for p in prompts:
+        ar = generate(family, p["prompt"], "ar", max_tokens=NEW_TOKENS)
+        assert ar.generation_tokens >= 1
+        ids = ref_tok.encode(p["prompt"])
+        ref = []
+        for r in mlx_lm.stream_generate(ref_model, ref_tok, ids, max_tokens=len(ar.token_ids)):
+            if r.token in ref_tok.eos_token_ids:
+                break
+            ref.append(r.token)
+        assert ar.token_ids == ref, p["id"]
+        for s in STRATEGIES:
+            out = generate(family, p["prompt"], s, max_tokens=NEW_TOKENS)
+            assert out.token_ids == ar.token_ids, (p["id"], s)
+            assert out.text == ar.text
+            assert out.steps <= ar.steps
+
+
+def test_max_tokens_and_eos_inside_accepted_blocks(family):
+    prompt = suite_prompts(1)[1]["prompt"]  # copy-heavy: long accepted blocks
+    ar = generate(family, prompt, "ar", max_tokens=96)
+    res = generate(family, prompt, "treegraft", max_tokens=96)
+    assert max(s.accepted for s in res.step_stats) >= 2  # blocks longer than one token occur
+    for n in (1, 7, 33, 95):
+        cut = generate(family, prompt, "treegraft", max_tokens=n)
+        assert cut.token_ids == ar.token_ids[:n] and cut.finish_reason == "length"
+    # Declare a token from the middle of a long accepted block an end-of-sequence token.
+    pos, start = None, 0
+    for s in res.step_stats:
+        if s.accepted >= 2:
+            pos = start + 1
+            break
+        start += s.accepted + 1
+    stop_id = res.token_ids[pos]
+    first = res.token_ids.index(stop_id)
+    family.tokenizer.add_eos_token(stop_id)
+    try:
+        for strategy in ("ar", "treegraft", "ngram"):
+            out = generate(family, prompt, strategy, max_tokens=96)
+            assert out.token_ids == ar.token_ids[:first] and out.finish_reason == "stop"
+    finally:
+        family.tokenizer._eos_token_ids.discard(stop_id)
+
+
+def test_stop_strings_cut_exactly_and_emit_nothing_past_them(family):
+    tok = family.tokenizer
+    ids = tok.encode("alpha = 1\nbeta = 2\ngamma = 3\n")
+    blocks = [ids[:3], ids[3:9], ids[9:]]
+    pieces = list(stream(tok, iter(blocks), 0, 100, stop_strings=["beta ="]))
+    assert "".join(p.text for p in pieces) == "alpha = 1\n"
+    assert pieces[-1].finish_reason == "stop"
+    pieces = list(stream(tok, iter(blocks), 0, 100, stop_strings=["zzz"]))
+    assert "".join(p.text for p in pieces) == "alpha = 1\nbeta = 2\ngamma = 3\n"
+
+
+def test_strong_drafter_cache_sync_after_skipped_calls(family):
+    """After many steps with skipped calls, S's logits equal a fresh forward."""
+    prompt = suite_prompts(1)[0]["prompt"]
+    dec = SpeculativeDecoder(family, parse_strategy("treegraft-fixed:4"), SamplerSettings(),
+                             np.random.default_rng(0))
+    steps = dec.steps(family.tokenizer.encode(prompt))
+    for _ in range(12):
+        next(steps)
+    strong: ModelDrafter = dec.drafters[-1]
+    history = dec.history
+    tree = DraftTree.rooted_at(history.root)
+    got = strong._forward(tree.token, tree.parent, history)[0]
+    fresh = family.strong(mx.array([history.tokens]))[0, -1].astype(mx.float32)
+    fresh = fresh - mx.logsumexp(fresh)
+    assert strong.cache.offset == history.committed
+    assert mx.abs(got - fresh).max().item() < 1e-4
+
+
+def test_unknown_strategy_and_missing_drafter_are_clear(family):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        generate(family, "x = 1", "fastest")
+    target_only = load(fixture_path() / "target")
+    with pytest.raises(ValueError, match="needs a strong drafter"):
+        generate(target_only, "x = 1", "treegraft")
+    ngram = generate(target_only, "x = 1\ny = 2\n", "ngram", max_tokens=24)
+    assert ngram.token_ids == generate(target_only, "x = 1\ny = 2\n", "ar", max_tokens=24).token_ids

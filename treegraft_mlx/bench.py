@@ -1,0 +1,202 @@
+"""Benchmark strategies side by side in one process, on one prompt suite.
+
+Speed is reported as generation tokens/s (prompt processing excluded for every strategy) and
+as ratios to `ar` measured in the same run. Strategy order alternates across repeats to
+cancel drift. Under greedy decoding every strategy's output is checked against `ar`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from .device import blas_library
+from .engine import generate
+from .family import Family, TreeConfig
+
+MLX_LM_SPEC_KS = range(1, 9)
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    category: str
+    strategy: str
+    repeat: int
+    tokens: int
+    steps: int
+    mean_accepted: float
+    tokens_per_sec: float
+    token_ids: list[int]
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    t_accept: float = 0.0
+    draft_k: Optional[int] = None  # mlx_lm_spec: the num_draft_tokens that was fastest
+
+
+def read_prompts(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            missing = {"id", "category", "prompt"} - set(row)
+            if missing:
+                raise ValueError(f"{path}:{n}: missing fields {sorted(missing)}")
+            rows.append(row)
+    return rows
+
+
+def first_per_category(prompts: list[dict], n: int) -> list[dict]:
+    """The first n prompts of each category, in file order."""
+    kept, counts = [], defaultdict(int)
+    for p in prompts:
+        if counts[p["category"]] < n:
+            kept.append(p)
+            counts[p["category"]] += 1
+    return kept
+
+
+def loop_share(tokens: list[int], n: int = 4) -> float:
+    """Share of generated tokens whose n-gram (ending at them) already occurred earlier."""
+    seen, repeated, total = set(), 0, 0
+    for i in range(n - 1, len(tokens)):
+        gram = tuple(tokens[i - n + 1:i + 1])
+        total += 1
+        repeated += gram in seen
+        seen.add(gram)
+    return repeated / total if total else 0.0
+
+
+def _mlx_lm_runner(family: Family, temp: float, top_p: float):
+    """mlx_lm's own generation (AR, or speculative with the same strong drafter) on the same
+    weights, in the same compute dtype as this runtime."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    models = {}
+
+    def model(role: str):
+        if role not in models:
+            m, _ = mlx_lm.load(str(family.model_paths[role]))
+            m.set_dtype(family.target.model.norm.weight.dtype)
+            models[role] = m
+        return models[role]
+
+    def run(prompt: str, max_tokens: int, draft: Optional[int]):
+        ids = family.tokenizer.encode(prompt)
+        toks, last = [], None
+        kwargs = {}
+        if draft:
+            strong = list(family.drafters)[-1]
+            kwargs = {"draft_model": model(strong), "num_draft_tokens": draft}
+        for r in mlx_lm.stream_generate(model("target"), family.tokenizer, ids,
+                                        max_tokens=max_tokens,
+                                        sampler=make_sampler(temp=temp, top_p=top_p), **kwargs):
+            if r.token in family.tokenizer.eos_token_ids:
+                break
+            toks.append(r.token)
+            last = r
+        return toks, (last.generation_tps if last else 0.0)
+
+    return run
+
+
+def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_tokens: int,
+              repeat: int = 1, warmup: int = 1, temp: float = 0.0, top_p: float = 1.0,
+              seed: int = 0, tree: Optional[TreeConfig] = None,
+              progress: Optional[Callable[[int], None]] = None) -> list[Run]:
+    """All (repeat, prompt, strategy) runs; strategies alternate order between repeats."""
+    mlx_run = _mlx_lm_runner(family, temp, top_p)
+    runs: list[Run] = []
+
+    def one(p: dict, s: str, r: int) -> Run:
+        if s in ("mlx_lm", "mlx_lm_spec"):
+            best = None
+            for k in (MLX_LM_SPEC_KS if s == "mlx_lm_spec" else [None]):
+                mx.random.seed(seed)
+                toks, tps = mlx_run(p["prompt"], max_tokens, k)
+                if best is None or tps > best.tokens_per_sec:
+                    best = Run(p["id"], p["category"], s, r, len(toks), 0, 0.0, tps, toks,
+                               draft_k=k)
+            return best
+        res = generate(family, p["prompt"], s, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                       seed=seed, tree=tree)
+        st = res.step_stats
+        return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
+                   res.mean_accepted, res.tokens_per_sec, res.token_ids,
+                   sum(x.t_draft for x in st), sum(x.t_verify for x in st),
+                   sum(x.t_accept for x in st))
+
+    for p in prompts[:warmup]:
+        for s in strategies:
+            one(p, s, -1)
+    for r in range(repeat):
+        order = strategies if r % 2 == 0 else strategies[::-1]
+        for p in prompts:
+            for s in order:
+                runs.append(one(p, s, r))
+                if progress:
+                    progress(1)
+    return runs
+
+
+def check_greedy(runs: list[Run]) -> list[str]:
+    """Every strategy's tokens must equal `ar`'s for the same prompt and repeat."""
+    ref = {(r.prompt_id, r.repeat): r.token_ids for r in runs if r.strategy == "ar"}
+    return [f"{r.strategy} differs from ar on {r.prompt_id}"
+            for r in runs if (r.prompt_id, r.repeat) in ref
+            and r.token_ids != ref[(r.prompt_id, r.repeat)]]
+
+
+def summarize(runs: list[Run]) -> dict:
+    """Per strategy and category: tokens/s (tokens over time), mean accepted, speedup over ar."""
+    agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "draft": 0.0,
+                               "verify": 0.0, "accept": 0.0, "n": 0})
+    for r in runs:
+        for cat in (r.category, "all"):
+            a = agg[(r.strategy, cat)]
+            a["tokens"] += r.tokens
+            a["time"] += r.tokens / r.tokens_per_sec if r.tokens_per_sec else 0.0
+            a["steps"] += r.steps
+            a["draft"] += r.t_draft
+            a["verify"] += r.t_verify
+            a["accept"] += r.t_accept
+            a["n"] += 1
+    out: dict = defaultdict(dict)
+    for (s, cat), a in agg.items():
+        tps = a["tokens"] / a["time"] if a["time"] else 0.0
+        out[s][cat] = {"tokens_per_sec": tps,
+                       "mean_accepted": a["tokens"] / a["steps"] if a["steps"] else None,
+                       "draft_s": a["draft"], "verify_s": a["verify"], "accept_s": a["accept"],
+                       "runs": a["n"]}
+    for s in out:
+        for cat, v in out[s].items():
+            ar = out.get("ar", {}).get(cat, {}).get("tokens_per_sec")
+            v["speedup_vs_ar"] = v["tokens_per_sec"] / ar if ar else None
+    loops = defaultdict(list)
+    for r in runs:
+        if r.strategy == "ar":
+            loops[r.category].append(loop_share(r.token_ids))
+            loops["all"].append(loop_share(r.token_ids))
+    return {"strategies": dict(out),
+            "ar_loop_share": {c: sum(v) / len(v) for c, v in loops.items()}}
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "device": str(mx.default_device()), "blas": blas_library() or "MLX bundled",
+            "mlx": mx.__version__, "date": time.strftime("%Y-%m-%d")}
+
+
+def write_report(path: Path, runs: list[Run], meta: dict) -> None:
+    report = {"meta": meta, "summary": summarize(runs), "runs": [asdict(r) for r in runs]}
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
