@@ -12,7 +12,6 @@ from treegraft_mlx.bench import first_per_category, read_prompts
 from treegraft_mlx.drafters import ModelDrafter
 from treegraft_mlx.engine import SpeculativeDecoder, parse_strategy
 from treegraft_mlx.generate import stream
-from treegraft_mlx.loading import load_tokenizer
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.tree import DraftTree
 
