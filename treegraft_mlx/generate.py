@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .sampling import SamplerSettings, draw, target_probs
+from .sampling import SamplerSettings, draw, sample_token, target_probs
 
 Prompt = Union[str, Sequence[int]]
 
@@ -64,19 +64,30 @@ def pick(logits: mx.array, settings: SamplerSettings, rng: np.random.Generator) 
     """The next token from one row of target logits under the processed distribution."""
     if settings.greedy:
         return int(mx.argmax(logits).item())
-    return draw(target_probs(np.array(logits.astype(mx.float32)), settings), rng)
+    return draw(np.array(target_probs(logits, settings), dtype=np.float64), rng)
 
 
 def ar_steps(model, cache: KVCache, prompt_ids: Sequence[int], settings: SamplerSettings,
              rng: np.random.Generator) -> Iterator[list[int]]:
-    """Autoregressive decoding: one committed token per target forward."""
-    token = pick(prefill(model, cache, prompt_ids), settings, rng)
+    """Autoregressive decoding: one committed token per target forward.
+
+    Pipelined like mlx_lm: the next forward is queued (async_eval) before the current token
+    is read back, so the host never waits on an idle device.
+    """
+    key = mx.random.key(int(rng.integers(2**31)))
+    logits = prefill(model, cache, prompt_ids)
+    key, sub = mx.random.split(key)
+    y = sample_token(logits, settings, sub)
+    mx.async_eval(y)
     yield []  # prefill done
     while True:
-        yield [token]
-        logits = model(mx.array([[token]]), cache=cache)
+        logits = model(y.reshape(1, 1), cache=cache)[0, -1]
         cache.commit()
-        token = pick(logits[0, -1], settings, rng)
+        key, sub = mx.random.split(key)
+        y_next = sample_token(logits, settings, sub)
+        mx.async_eval(y_next)
+        yield [int(y.item())]
+        y = y_next
 
 
 @dataclass

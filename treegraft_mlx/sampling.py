@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -34,30 +35,32 @@ class SamplerSettings:
         return self.temp == 0
 
 
-def target_probs(logits: np.ndarray, s: SamplerSettings) -> np.ndarray:
-    """Probabilities (float64, rows sum to 1) of the processed distribution, per row of logits."""
-    x = np.asarray(logits, dtype=np.float64)
+def target_probs(logits: mx.array, s: SamplerSettings) -> mx.array:
+    """Probabilities (float32, rows sum to 1) of the processed distribution, per row."""
+    x = logits.astype(mx.float32)
     if s.greedy:
-        p = np.zeros_like(x)
-        np.put_along_axis(p, x.argmax(-1)[..., None], 1.0, axis=-1)
-        return p
-    x = x / s.temp
-    p = np.exp(x - x.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+        return (mx.arange(x.shape[-1]) == mx.argmax(x, -1, keepdims=True)).astype(mx.float32)
+    p = mx.softmax(x / s.temp, axis=-1)
     if s.top_k and s.top_k < p.shape[-1]:
-        kth = -np.partition(-p, s.top_k - 1, axis=-1)[..., s.top_k - 1: s.top_k]
-        p = np.where(p >= kth, p, 0.0)
+        kth = mx.sort(p, axis=-1)[..., -s.top_k:][..., :1]
+        p = mx.where(p >= kth, p, 0.0)
     if s.top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")
-        sorted_p = np.take_along_axis(p, order, -1)
-        before = np.cumsum(sorted_p, -1) - sorted_p  # mass strictly above each token
+        sorted_p = mx.sort(p, axis=-1)[..., ::-1]
+        before = mx.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each rank
         keep_sorted = before < s.top_p * sorted_p.sum(-1, keepdims=True)
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, -1)
-        p = np.where(keep, p, 0.0)
+        # the smallest kept probability: everything at least as likely stays
+        threshold = mx.min(mx.where(keep_sorted, sorted_p, mx.inf), axis=-1, keepdims=True)
+        p = mx.where(p >= threshold, p, 0.0)
     if s.min_p > 0:
-        p = np.where(p >= s.min_p * p.max(-1, keepdims=True), p, 0.0)
+        p = mx.where(p >= s.min_p * p.max(-1, keepdims=True), p, 0.0)
     return p / p.sum(-1, keepdims=True)
+
+
+def sample_token(logits: mx.array, s: SamplerSettings, key: mx.array) -> mx.array:
+    """A lazily evaluated draw from the processed distribution (argmax when greedy)."""
+    if s.greedy:
+        return mx.argmax(logits, -1)
+    return mx.random.categorical(mx.log(target_probs(logits, s)), key=key)
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:

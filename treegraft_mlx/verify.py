@@ -50,7 +50,7 @@ def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
     """Recursive rejection over distinct children (best-scored first): exactly lossless."""
     node, path = 0, [0]
     while True:
-        p = target_probs(np.array(logits[node].astype(mx.float32)), settings)
+        p = np.array(target_probs(logits[node], settings), dtype=np.float64)
         kids = sorted(tree.children_of(node), key=lambda c: (-tree.score[c], c))
         accepted = -1
         for c in kids:
