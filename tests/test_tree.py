@@ -35,7 +35,7 @@ def test_mask_positions_paths():
     assert depths(t.parent).tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert path_to(t.parent, 6) == [0, 1, 3, 6]
     assert t.path_tokens(6) == [100, 11, 13, 16]
-    full = np.array(attention_mask(t.parent, context=4, prefix=2))
+    full = np.array(attention_mask(t.parent, context=4, prefix=2).dense)
     assert full.shape == (9, 4 + 9)
     assert full[0, :7].tolist() == [True] * 5 + [False] * 2  # prefix row 0: context + itself
     assert full[1, :7].tolist() == [True] * 6 + [False]

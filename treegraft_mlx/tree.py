@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .kernels import TreeMask
+
 NEG_INF = float("-inf")
 
 
@@ -140,20 +142,19 @@ def depths(parent) -> np.ndarray:
     return ancestor_mask(parent).sum(1) - 1
 
 
-def attention_mask(parent, context: int, prefix: int = 0) -> mx.array:
-    """Mask for a block of [prefix committed tokens, then tree nodes] over [context + block].
+def attention_mask(parent, context: int, prefix: int = 0) -> TreeMask:
+    """Compact mask for a block of [prefix committed tokens, then tree nodes] after `context`.
 
     The prefix rows are causal among themselves; each tree row sees all committed tokens and
     its own ancestry.
     """
     n = len(parent)
     rows = prefix + n
-    m = np.zeros((rows, context + rows), dtype=bool)
-    m[:, :context] = True
-    m[:prefix, context:context + prefix] = np.tril(np.ones((prefix, prefix), dtype=bool))
-    m[prefix:, context:context + prefix] = True
-    m[prefix:, context + prefix:] = ancestor_mask(parent)
-    return mx.array(m)
+    block = np.zeros((rows, rows), dtype=bool)
+    block[:prefix, :prefix] = np.tril(np.ones((prefix, prefix), dtype=bool))
+    block[prefix:, :prefix] = True
+    block[prefix:, prefix:] = ancestor_mask(parent)
+    return TreeMask.from_bool(block, context)
 
 
 def positions(parent, context: int, prefix: int = 0) -> mx.array:

@@ -1,0 +1,1 @@
+"""Tree-attention kernel sources (Metal, CUDA), shipped as package data."""
