@@ -141,3 +141,34 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
         for m in mismatches:
             click.echo(f"MISMATCH: {m}", err=True)
         raise click.ClickException(f"{len(mismatches)} greedy outputs differ from ar")
+
+
+@main.command()
+@click.option("--hf-path", required=True, help="Target: local path or repo id in the HF cache.")
+@click.option("--draft-hf-path", "draft_paths", multiple=True, help="Drafter (repeatable).")
+@click.option("--mlx-path", required=True, help="Output bundle directory (must not exist).")
+@click.option("-q", "--quantize", is_flag=True, help="Quantize linear and embedding weights.")
+@click.option("--q-bits", default=4, show_default=True, type=click.Choice(["2", "3", "4", "6", "8"]))
+@click.option("--q-group-size", default=64, show_default=True,
+              type=click.Choice(["32", "64", "128"]))
+@click.option("--quant-recipe", default="uniform", show_default=True,
+              type=click.Choice(["uniform", "mixed-8-embed"]),
+              help="mixed-8-embed keeps embeddings and the LM head at 8 bits.")
+@click.option("--dtype", default=None, type=click.Choice(["float16", "bfloat16", "float32"]),
+              help="dtype of unquantized tensors (default: as in the checkpoint).")
+@click.option("--context", default=4096, show_default=True, type=click.IntRange(1),
+              help="Context length for the memory estimate.")
+def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quant_recipe, dtype,
+            context) -> None:
+    """Convert a target and its drafters into one MLX TreeGraft bundle."""
+    from .convert import ConvertError, QuantSpec, convert_family
+
+    def bar(role: str, n: int):
+        return click.progressbar(length=n, label=f"converting {role}", file=sys.stderr)
+
+    try:
+        quant = QuantSpec(int(q_bits), int(q_group_size), quant_recipe) if quantize else None
+        convert_family(hf_path, draft_paths, mlx_path, quant, dtype, context,
+                       progress_factory=bar, log=lambda m: click.echo(m, err=True))
+    except ConvertError as e:
+        raise click.ClickException(str(e)) from None

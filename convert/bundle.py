@@ -1,0 +1,270 @@
+"""Hugging Face checkpoints (or mlx_lm directories) -> one quantized MLX TreeGraft bundle.
+
+Layout written: OUT/target/, OUT/drafters/<name>/, OUT/treegraft.json. Every model directory
+is a valid mlx_lm directory (same quantization keys), so `mlx_lm.load` opens it too.
+
+Everything is checked before anything is written, written into a temporary sibling directory
+shard by shard (never two full copies of a model in memory) and renamed into place at the end;
+a failure or Ctrl-C leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from ..cache import KVCache
+from ..device import available_memory
+from ..family import check_same_tokenizer
+from ..loading import LoadError, read_config, resolve_path, weight_files
+from ..models import ModelArgs
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+RECIPES = ("uniform", "mixed-8-embed")  # mixed-8-embed: embeddings and LM head at 8 bits
+QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+SHARD_BYTES = 2 * 2**30
+
+
+class ConvertError(ValueError):
+    """The inputs cannot be converted; the message says why."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 4
+    group_size: int = 64
+    recipe: str = "uniform"
+
+    def __post_init__(self):
+        if self.bits not in (2, 3, 4, 6, 8):
+            raise ConvertError(f"q-bits must be one of 2, 3, 4, 6, 8; got {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ConvertError(f"q-group-size must be 32, 64 or 128; got {self.group_size}")
+        if self.recipe not in RECIPES:
+            raise ConvertError(f"unknown quant recipe {self.recipe!r}; choose from {RECIPES}")
+
+    def bits_for(self, module: str) -> int:
+        if self.recipe == "mixed-8-embed" and module.endswith(("embed_tokens", "lm_head")):
+            return 8
+        return self.bits
+
+
+@dataclass
+class Source:
+    """One input model, checked and ready to convert."""
+    role: str            # "target" or the drafter's name
+    path: Path
+    config: dict
+    files: list[Path]
+    prequantized: bool   # an mlx_lm directory that is already quantized
+
+    @property
+    def out_dir(self) -> Path:
+        return Path("target") if self.role == "target" else Path("drafters") / self.role
+
+
+def _inspect(role: str, path_or_repo: str) -> Source:
+    try:
+        path = resolve_path(path_or_repo)
+        config = read_config(path)
+        ModelArgs.from_config(config)
+        files = weight_files(path)
+    except (LoadError, ValueError) as e:
+        raise ConvertError(f"{role}: {e}") from None
+    except TypeError as e:
+        raise ConvertError(f"{role}: config.json lacks a required field: {e}") from None
+    if "quantization" in config and "bits" not in config["quantization"]:
+        raise ConvertError(f"{role}: unsupported quantization config {config['quantization']}")
+    return Source(role, path, config, files, "quantization" in config)
+
+
+def _check_weights_match_config(src: Source) -> None:
+    """Shapes of the embedding and first layer against config.json, from headers only."""
+    args = ModelArgs.from_config(src.config)
+    expect = {"model.embed_tokens.weight": (args.vocab_size, args.hidden_size),
+              "model.layers.0.self_attn.q_proj.weight": (args.num_attention_heads * args.head_dim,
+                                                         args.hidden_size),
+              "model.layers.0.mlp.up_proj.weight": (args.intermediate_size, args.hidden_size)}
+    seen = {}
+    for f in src.files:
+        seen.update({k: v for k, v in _header(f).items() if k in expect})
+    for name, shape in expect.items():
+        if name not in seen:
+            raise ConvertError(f"{src.role}: weight {name} is missing from {src.path}")
+        if not src.prequantized and tuple(seen[name]) != shape:
+            raise ConvertError(f"{src.role}: {name} has shape {tuple(seen[name])} but config.json "
+                               f"implies {shape}")
+
+
+def _header(file: Path) -> dict[str, list[int]]:
+    """Tensor shapes from a safetensors header, without reading any tensor data."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n < 100 * 2**20:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"cannot read {file}: corrupt or truncated safetensors ({e})") from None
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def _tokenizer_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        if (path / name).exists():
+            h.update((path / name).read_bytes())
+    return h.hexdigest()
+
+
+def _check_family(sources: list[Source]) -> None:
+    from ..loading import load_tokenizer
+
+    if not any((sources[0].path / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
+        raise ConvertError(f"target: no tokenizer files in {sources[0].path}")
+    target_tok = load_tokenizer(sources[0].path, sources[0].config)
+    for s in sources[1:]:
+        try:
+            check_same_tokenizer(target_tok, load_tokenizer(s.path, s.config), "target", s.role)
+        except LoadError as e:
+            raise ConvertError(str(e)) from None
+
+
+def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype: Optional[mx.Dtype],
+                     progress: Callable[[int], None]) -> tuple[dict, int]:
+    """Stream shard by shard: load, cast, quantize, save. Returns (quantization config, bytes)."""
+    qconfig: dict = {}
+    if quant:
+        qconfig = {"group_size": quant.group_size, "bits": quant.bits}
+    tie = src.config.get("tie_word_embeddings", False)
+    written, index, shard_id = 0, {}, 0
+    for f in src.files:
+        tensors = mx.load(str(f))
+        out: dict[str, mx.array] = {}
+        for name, w in tensors.items():
+            if "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
+                continue
+            if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
+                w = w.astype(dtype)
+            module = name.rsplit(".", 1)[0]
+            if (quant and name.endswith(QUANTIZABLE_SUFFIXES) and w.ndim == 2
+                    and w.shape[-1] % quant.group_size == 0):
+                bits = quant.bits_for(module)
+                wq, scales, biases = mx.quantize(w, group_size=quant.group_size, bits=bits)
+                out[name], out[f"{module}.scales"], out[f"{module}.biases"] = wq, scales, biases
+                if bits != quant.bits:
+                    qconfig[module] = {"group_size": quant.group_size, "bits": bits}
+            else:
+                out[name] = w
+        mx.eval(out)
+        shard_id += 1
+        fname = f"model-{shard_id:05d}-of-{len(src.files):05d}.safetensors"
+        mx.save_safetensors(str(dest / fname), out, metadata={"format": "mlx"})
+        written += sum(a.nbytes for a in out.values())
+        index.update({k: fname for k in out})
+        del tensors, out
+        progress(1)
+    (dest / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": written}, "weight_map": index}, indent=1))
+    return qconfig, written
+
+
+def _copy_side_files(src: Path, dest: Path) -> None:
+    """Tokenizer, generation config, chat template: everything but weights and config."""
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, dest / f.name)
+
+
+def convert_family(target: str, drafters: Sequence[str], out: str, quant: Optional[QuantSpec] = None,
+                   dtype: Optional[str] = None, context: int = 4096,
+                   progress_factory: Optional[Callable[[str, int], object]] = None,
+                   log: Callable[[str], None] = print) -> Path:
+    """Convert a target and its drafters into one bundle at `out`; returns its path."""
+    out_path = Path(out).expanduser().resolve()
+    if out_path.exists():
+        raise ConvertError(f"{out_path} already exists; choose another --mlx-path or remove it")
+    parent = out_path.parent
+    if not parent.is_dir():
+        raise ConvertError(f"cannot write to {parent}: it is not an existing directory")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {sorted(DTYPES)}")
+    names = [Path(str(d).rstrip("/")).name for d in drafters]
+    if len(set(names)) != len(names):
+        raise ConvertError(f"drafter names must be distinct: {names}")
+    sources = [_inspect("target", target)] + [_inspect(n, d) for n, d in zip(names, drafters)]
+    for s in sources:
+        _check_weights_match_config(s)
+    _check_family(sources)
+
+    before = sum(f.stat().st_size for s in sources for f in s.files)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise ConvertError(f"cannot write to {parent}: {e.strerror}") from None
+    try:
+        total_after, manifest_models = 0, {}
+        for s in sources:
+            dest = tmp / s.out_dir
+            dest.mkdir(parents=True)
+            bar = progress_factory(s.role, len(s.files)) if progress_factory else None
+            step = (lambda n: bar.update(n)) if bar is not None else (lambda n: None)
+            config = dict(s.config)
+            if s.prequantized:
+                if quant:
+                    log(f"{s.role}: already quantized by mlx_lm; re-bundled without requantising")
+                for f in s.files:
+                    shutil.copy2(f, dest / f.name)
+                    step(1)
+                if (s.path / "model.safetensors.index.json").exists():
+                    shutil.copy2(s.path / "model.safetensors.index.json", dest)
+                written = sum(f.stat().st_size for f in s.files)
+            else:
+                qconfig, written = _convert_tensors(s, dest, quant, DTYPES.get(dtype), step)
+                if quant:
+                    config["quantization"] = qconfig
+                    config["quantization_config"] = qconfig
+                if dtype:
+                    config["torch_dtype"] = dtype
+            if bar is not None:
+                bar.render_finish()
+            (dest / "config.json").write_text(json.dumps(config, indent=2))
+            _copy_side_files(s.path, dest)
+            total_after += written
+            manifest_models[s.role] = {"path": str(s.out_dir), "bytes": written,
+                                       "quantization": config.get("quantization")}
+        args = ModelArgs.from_config(sources[0].config)
+        kv = KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+                               context, DTYPES.get(dtype or "float16"))
+        need, have = total_after + kv, available_memory()
+        log(f"memory estimate: weights {total_after / 2**20:.1f} MiB + KV cache for {context} "
+            f"tokens {kv / 2**20:.1f} MiB = {need / 2**20:.1f} MiB (available {have / 2**20:.0f} MiB)")
+        if need > have:
+            log("WARNING: the bundle needs more memory than this machine has available")
+        manifest = {
+            "format_version": 1,
+            "target": "target",
+            "drafters": {n: f"drafters/{n}" for n in names},
+            "roles": {"target": "target", "strong": names[-1] if names else None, "weak": "ngram"},
+            "tokenizer_sha256": _tokenizer_hash(sources[0].path),
+            "vocab_size": args.vocab_size,
+            "quantization": ({"bits": quant.bits, "group_size": quant.group_size,
+                              "recipe": quant.recipe} if quant else None),
+            "models": manifest_models,
+        }
+        (tmp / "treegraft.json").write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, out_path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out_path}: {before / 2**20:.1f} MiB -> {total_after / 2**20:.1f} MiB")
+    return out_path
