@@ -29,6 +29,7 @@ class DraftTree:
     match_pos: list[int] = field(default_factory=list)   # most recent matched position, -1 if none
     terminated: list[bool] = field(default_factory=list)  # n-gram search found too few branches
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
+    kids: dict[int, list[int]] = field(default_factory=dict)  # parent -> children, in order
 
     @classmethod
     def rooted_at(cls, token: int) -> "DraftTree":
@@ -63,11 +64,15 @@ class DraftTree:
                 self.match_len[i], self.match_pos[i] = int(match_len), int(match_pos)
             return i
         i = self._append(token, parent, self.depth[parent] + 1, score, match_len, match_pos)
-        self.children[(parent, int(token))] = i
+        self._link(parent, i)
         return i
 
+    def _link(self, parent: int, child: int) -> None:
+        self.children[(parent, self.token[child])] = child
+        self.kids.setdefault(parent, []).append(child)
+
     def children_of(self, node: int) -> list[int]:
-        return [i for i in range(node + 1, len(self)) if self.parent[i] == node]
+        return self.kids.get(node, [])
 
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from the root down to `node`, inclusive."""
@@ -83,7 +88,7 @@ class DraftTree:
             t._append(self.token[old], new_index[p] if p >= 0 else -1, self.depth[old],
                       self.score[old], self.match_len[old], self.match_pos[old])
             if p >= 0:
-                t.children[(new_index[p], self.token[old])] = len(t) - 1
+                t._link(new_index[p], len(t) - 1)
         return t
 
 
