@@ -10,7 +10,8 @@ import pytest
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.bench import first_per_category, read_prompts
 from treegraft_mlx.drafters import ModelDrafter
-from treegraft_mlx.engine import SpeculativeDecoder, parse_strategy
+from treegraft_mlx.engine import Decoder, parse_strategy
+from treegraft_mlx.session import Session
 from treegraft_mlx.generate import stream
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.tree import DraftTree
@@ -97,13 +98,14 @@ def test_stop_strings_cut_exactly_and_emit_nothing_past_them(family):
 def test_strong_drafter_cache_sync_after_skipped_calls(family):
     """After many steps with skipped calls, S's logits equal a fresh forward."""
     prompt = suite_prompts(1)[0]["prompt"]
-    dec = SpeculativeDecoder(family, parse_strategy("treegraft-fixed:4"), SamplerSettings(),
-                             np.random.default_rng(0))
+    session = Session(family)
+    dec = Decoder(session, parse_strategy("treegraft-fixed:4"), SamplerSettings(),
+                  np.random.default_rng(0))
     steps = dec.steps(family.tokenizer.encode(prompt))
     for _ in range(12):
         next(steps)
-    strong: ModelDrafter = dec.drafters[-1]
-    history = dec.history
+    strong: ModelDrafter = session.strong
+    history = session.history
     tree = DraftTree.rooted_at(history.root)
     got = strong._forward(tree.token, tree.parent, history)[0]
     fresh = family.strong(mx.array([history.tokens]))[0, -1].astype(mx.float32)

@@ -23,11 +23,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import device
-from .drafters import ModelDrafter, NgramDrafter
 from .family import Family, TreeConfig
-from .generate import Prompt, Response, ar_steps, check_context, encode_prompt, pick, stream
+from .generate import Prompt, Response, check_context, encode_prompt, stream
 from .history import History, top_logprobs
-from .sampling import SamplerSettings
+from .sampling import SamplerSettings, sample_token
+from .session import Session
 from .scheduler import FixedSchedule, parse_layers
 from .tree import DraftTree, prune
 from .verify import accept_greedy, accept_sample, verify
@@ -82,45 +82,59 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
 
 
-class SpeculativeDecoder:
-    """Runs one generation with a chain or tree strategy; records StepStats per step."""
+class Decoder:
+    """Runs one generation of a strategy on a session; records StepStats per step."""
 
-    def __init__(self, family: Family, strategy: Strategy, settings: SamplerSettings,
-                 rng: np.random.Generator, tree: Optional[TreeConfig] = None):
-        self.target = family.target
-        self.tree_cfg = tree or family.tree
-        self.strategy, self.settings, self.rng = strategy, settings, rng
-        cfg = self.tree_cfg
-        self.drafters: list = [NgramDrafter(cfg.n_max, cfg.top_k, cfg.depth)]
+    def __init__(self, session: Session, strategy: Strategy, settings: SamplerSettings,
+                 rng: np.random.Generator):
+        self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
+        self.target = session.family.target
+        self.drafters: list = [session.ngram]
         if strategy.needs_strong:
-            if family.strong is None:
+            if session.strong is None:
                 raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
-            self.drafters.append(ModelDrafter(family.strong, "draft", cfg.top_k, cfg.depth, cfg.lookback))
+            self.drafters.append(session.strong)
         self.schedule = FixedSchedule(strategy.combine_layers)
         self.stats: list[StepStats] = []
+        self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
     @property
     def drafter_calls(self) -> int:
-        return sum(getattr(d, "calls", 0) for d in self.drafters)
+        return sum(getattr(d, "calls", 0) for d in self.drafters) - self._calls_before
 
-    def _prefill(self, cache, ids: list[int]) -> tuple[History, int]:
-        """Prefill keeping the target's top-10 log-probs at every prompt position."""
-        history = History(ids, capacity=len(ids) + 1024)
-        step, last = 512, None
-        for start in range(0, len(ids), step):
-            logits = self.target(mx.array([ids[start:start + step]]), cache=cache)[0]
+    def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
+        root = self.session.prefill(prompt_ids, self.settings, self.rng)
+        yield []  # prefill done
+        if self.strategy.kind == "ar":
+            yield from self._ar_steps(root)
+        else:
+            yield from self._tree_steps(root)
+
+    def _ar_steps(self, root: int) -> Iterator[list[int]]:
+        """One committed token per target forward, pipelined like mlx_lm: the next forward is
+        queued (async_eval) before the current token is read back."""
+        cache, history = self.session.cache, self.session.history
+        key = mx.random.key(int(self.rng.integers(2**31)))
+
+        def forward(token: mx.array) -> mx.array:
+            nonlocal key
+            logits = self.target(token.reshape(1, 1), cache=cache)[0, -1]
             cache.commit()
-            top_ids, top_lp = top_logprobs(logits)
-            history.record(start, top_ids, top_lp)
-            last = logits[-1]
-        root = pick(last, self.settings, self.rng)
-        history.extend([root])
-        for d in self.drafters:
-            d.observe(history, len(history.tokens))
-        return history, root
+            key, sub = mx.random.split(key)
+            nxt = sample_token(logits, self.settings, sub)
+            mx.async_eval(nxt)
+            return nxt
+
+        nxt = forward(mx.array(root))
+        while True:
+            after = forward(nxt)
+            history.extend([int(nxt.item())])
+            self.stats.append(StepStats(0, 1, 1, [], 0.0, 0.0, 0.0))
+            yield [history.tokens[-2]]
+            nxt = after
 
     def _build(self, root: int, history: History) -> tuple[DraftTree, list[str]]:
-        cfg = self.tree_cfg
+        cfg = self.session.tree
         tree = DraftTree.rooted_at(root)
         if self.strategy.kind == "chain":
             strong = self.drafters[-1]
@@ -134,17 +148,12 @@ class SpeculativeDecoder:
             used.append(drafter.name)
         return tree, used
 
-    def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
-        # Room past the context for one pending tree (its rows are never committed beyond it).
-        args = self.target.args
-        cache = self.target.make_cache(max_len=args.max_position_embeddings + self.tree_cfg.budget)
-        history, root = self._prefill(cache, prompt_ids)
-        self.history = history
-        yield []  # prefill done
+    def _tree_steps(self, root: int) -> Iterator[list[int]]:
+        cache, history = self.session.cache, self.session.history
         while True:
             t0 = time.perf_counter()
             full, used = self._build(root, history)
-            tree = full.subtree(prune(full, self.tree_cfg.budget))
+            tree = full.subtree(prune(full, self.session.tree.budget))
             t1 = time.perf_counter()
             logits = verify(self.target, cache, tree)
             mx.eval(logits)
@@ -188,37 +197,33 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
                     max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
                     top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
                     stop: Sequence[str] = (), tree: Optional[TreeConfig] = None,
+                    session: Optional[Session] = None,
                     decoder_out: Optional[list] = None) -> Iterator[Response]:
     """Stream a generation with any strategy; output is exactly the target's.
 
-    `prompt` is a raw string (no chat template) or token ids. `decoder_out`, if given, receives
-    the decoder so callers can read per-step statistics.
+    `prompt` is a raw string (no chat template) or token ids. `session` keeps the caches
+    between calls (chat turns reuse the shared prefix). `decoder_out`, if given, receives the
+    decoder so callers can read per-step statistics.
     """
     device.warn_if_slow_blas()
     settings = SamplerSettings(temp, top_p, top_k, min_p)
-    cfg = tree or family.tree
-    strat = parse_strategy(strategy, cfg.depth)
+    session = session or Session(family, tree)
+    strat = parse_strategy(strategy, session.tree.depth)
     ids = encode_prompt(family.tokenizer, prompt)
     context = family.target.args.max_position_embeddings
     # Drafts are verified past the last token: leave room for one full tree path.
-    max_tokens = check_context(len(ids), max_tokens, context - cfg.depth - 1)
-    rng = np.random.default_rng(seed)
+    max_tokens = check_context(len(ids), max_tokens, context - session.tree.depth - 1)
+    decoder = Decoder(session, strat, settings, np.random.default_rng(seed))
+    if decoder_out is not None:
+        decoder_out.append(decoder)
     t0 = time.perf_counter()
-    if strat.kind == "ar":
-        cache = family.target.make_cache()
-        steps = ar_steps(family.target, cache, ids, settings, rng)
-    else:
-        decoder = SpeculativeDecoder(family, strat, settings, rng, cfg)
-        if decoder_out is not None:
-            decoder_out.append(decoder)
-        steps = decoder.steps(ids)
     with device.wired_limit():
-        yield from stream(family.tokenizer, steps, len(ids), max_tokens, stop, t0)
+        yield from stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0)
 
 
 def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwargs) -> GenerationResult:
     """Whole generation with statistics (see stream_generate for the arguments)."""
-    holder: list[SpeculativeDecoder] = []
+    holder: list[Decoder] = []
     text, ids, last = "", [], None
     for r in stream_generate(family, prompt, strategy, decoder_out=holder, **kwargs):
         text += r.text

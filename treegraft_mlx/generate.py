@@ -1,4 +1,4 @@
-"""Prompt -> prefill -> decode steps -> detokenized stream, with exact stopping.
+"""Prompt in, text out: prompt encoding, context checks and the detokenized stream.
 
 A decoding strategy is a generator of committed token blocks (one block per target forward),
 preceded by one empty block that marks the end of the prefill (so that generation speed
@@ -13,12 +13,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
-
-import mlx.core as mx
-import numpy as np
-
-from .cache import KVCache
-from .sampling import SamplerSettings, draw, sample_token, target_probs
 
 Prompt = Union[str, Sequence[int]]
 
@@ -46,48 +40,6 @@ def check_context(prompt_len: int, max_tokens: int, context: int) -> int:
         warnings.warn(f"max_tokens {max_tokens} shortened to {fit} to fit the {context}-token context")
         return fit
     return max_tokens
-
-
-def prefill(model, cache: KVCache, ids: Sequence[int], step: int = 512) -> mx.array:
-    """Run the prompt through the model in chunks; return the last position's logits (V,)."""
-    logits = None
-    for start in range(0, len(ids), step):
-        chunk = mx.array([list(ids[start:start + step])])
-        last = start + step >= len(ids)
-        logits = model(chunk, cache=cache, logits_rows=mx.array([chunk.shape[1] - 1]) if last else mx.array([0]))
-        cache.commit()
-        mx.eval(logits, *cache.state())
-    return logits[0, -1]
-
-
-def pick(logits: mx.array, settings: SamplerSettings, rng: np.random.Generator) -> int:
-    """The next token from one row of target logits under the processed distribution."""
-    if settings.greedy:
-        return int(mx.argmax(logits).item())
-    return draw(np.array(target_probs(logits, settings), dtype=np.float64), rng)
-
-
-def ar_steps(model, cache: KVCache, prompt_ids: Sequence[int], settings: SamplerSettings,
-             rng: np.random.Generator) -> Iterator[list[int]]:
-    """Autoregressive decoding: one committed token per target forward.
-
-    Pipelined like mlx_lm: the next forward is queued (async_eval) before the current token
-    is read back, so the host never waits on an idle device.
-    """
-    key = mx.random.key(int(rng.integers(2**31)))
-    logits = prefill(model, cache, prompt_ids)
-    key, sub = mx.random.split(key)
-    y = sample_token(logits, settings, sub)
-    mx.async_eval(y)
-    yield []  # prefill done
-    while True:
-        logits = model(y.reshape(1, 1), cache=cache)[0, -1]
-        cache.commit()
-        key, sub = mx.random.split(key)
-        y_next = sample_token(logits, settings, sub)
-        mx.async_eval(y_next)
-        yield [int(y.item())]
-        y = y_next
 
 
 @dataclass

@@ -67,3 +67,10 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     """One token from a probability vector (inverse CDF on a single uniform)."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+
+
+def pick(logits: mx.array, s: SamplerSettings, rng: np.random.Generator) -> int:
+    """One token from one row of logits, drawn on the host with `rng`."""
+    if s.greedy:
+        return int(mx.argmax(logits).item())
+    return draw(np.array(target_probs(logits, s), dtype=np.float64), rng)

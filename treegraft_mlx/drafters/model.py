@@ -27,10 +27,12 @@ class ModelDrafter:
     def observe(self, history: History, new_tokens: int) -> None:
         """Nothing to do now: the cache catches up lazily at the next call."""
 
+    def rewind(self, length: int) -> None:
+        """The history was rewritten after `length` tokens: drop what the cache holds past it."""
+        self.cache.reset(min(self.cache.offset, length))
+
     def _forward(self, tokens: list[int], parent: list[int], history: History) -> mx.array:
         """Log-probs (float32) at every tree node, after syncing the committed prefix."""
-        if self.cache.offset > history.committed:  # the history was rewound (new turn)
-            self.cache.reset(history.committed)
         prefix = history.tokens[self.cache.offset:history.committed]
         ctx, m, n = self.cache.offset, len(prefix), len(tokens)
         ids = mx.array([prefix + tokens])
@@ -81,8 +83,6 @@ class ModelDrafter:
     def draft_chain(self, root: int, k: int, history: History) -> list[int]:
         """Classic speculative decoding: k greedy tokens after the root, one forward each."""
         committed = history.committed
-        if self.cache.offset > committed:
-            self.cache.reset(committed)
         prefix = history.tokens[self.cache.offset:committed] + [root]
         out: list[int] = []
         for _ in range(k):

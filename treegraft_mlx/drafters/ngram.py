@@ -58,6 +58,10 @@ class NgramDrafter:
     def observe(self, history: History, new_tokens: int) -> None:
         self.index.extend(history.tokens)
 
+    def reset(self) -> None:
+        """Forget the indexed sequence (a new prompt that rewrites the history)."""
+        self.index = NgramIndex(self.n_max)
+
     def candidates(self, query: list[int], chain_len: int, tokens: list[int],
                    existing: set[int]) -> tuple[list[tuple[int, int, list[int]]], bool]:
         """(match length, end position, continuation) for one parent, and whether enough

@@ -1,0 +1,75 @@
+"""What survives between generations of one conversation, and the prefill that reuses it.
+
+The target's KV cache, the history (tokens and the target's top-10 log-probs) and the drafters'
+state stay alive across turns. A new prompt reuses the longest prefix it shares with what is
+committed, so a chat turn only prefills its new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .drafters import ModelDrafter, NgramDrafter
+from .family import Family, TreeConfig
+from .history import History, top_logprobs
+from .sampling import SamplerSettings, pick
+
+PREFILL_CHUNK = 512
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class Session:
+    def __init__(self, family: Family, tree: Optional[TreeConfig] = None):
+        self.family = family
+        self.tree = tree or family.tree
+        args = family.target.args
+        # Room past the context for one pending tree (its rows are never committed beyond it).
+        self.cache = family.target.make_cache(max_len=args.max_position_embeddings + self.tree.budget)
+        self.history: Optional[History] = None
+        t = self.tree
+        self.ngram = NgramDrafter(t.n_max, t.top_k, t.depth)
+        self.strong = (ModelDrafter(family.strong, "draft", t.top_k, t.depth, t.lookback)
+                       if family.strong is not None else None)
+
+    def reusable(self, ids: list[int]) -> int:
+        """Cached tokens the new prompt starts with (its last token is always re-run)."""
+        if self.history is None:
+            return 0
+        committed = min(self.cache.offset, self.history.committed)
+        return min(common_prefix(self.history.tokens[:committed], ids), len(ids) - 1)
+
+    def prefill(self, ids: list[int], settings: SamplerSettings, rng: np.random.Generator) -> int:
+        """Prefill what is not cached yet, keeping top-10 log-probs; returns the first token.
+
+        Afterwards history = prompt + [first token] (pending) and every drafter is in sync.
+        """
+        keep = self.reusable(ids)
+        old = self.history
+        history = History(ids, capacity=len(ids) + 1024)
+        if keep:
+            history.top_ids[:keep], history.top_lp[:keep] = old.top_ids[:keep], old.top_lp[:keep]
+        self.cache.reset(keep)
+        last = None
+        for start in range(keep, len(ids), PREFILL_CHUNK):
+            logits = self.family.target(mx.array([ids[start:start + PREFILL_CHUNK]]),
+                                        cache=self.cache)[0]
+            self.cache.commit()
+            top_ids, top_lp = top_logprobs(logits)
+            history.record(start, top_ids, top_lp)
+            last = logits[-1]
+        root = pick(last, settings, rng)
+        history.extend([root])
+        self.history = history
+        self.ngram.reset()
+        self.ngram.observe(history, len(history.tokens))
+        if self.strong is not None:
+            self.strong.rewind(keep)
+        return root
