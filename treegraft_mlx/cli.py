@@ -18,41 +18,60 @@ def main() -> None:
     """TreeGraft speculative decoding on MLX."""
 
 
+def family_options(f):
+    """--model / --draft-model / --strategy, shared by the commands that generate."""
+    f = click.option("--strategy", default="treegraft", show_default=True,
+                     help="ar, chain[:k], ngram, draft, treegraft or treegraft-fixed:<layers>.")(f)
+    f = click.option("--draft-model", "draft_models", multiple=True,
+                     help="Drafter model path (repeatable; the last one is the strong drafter).")(f)
+    return click.option("--model", default=None, help="Bundle directory, target model path or "
+                        "cached repo id (default: the bundled tg-tiny family).")(f)
+
+
+def sampling_options(f):
+    for opt in reversed([
+        click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1)),
+        click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0)),
+        click.option("--top-p", default=1.0, show_default=True,
+                     type=click.FloatRange(0, 1, min_open=True)),
+        click.option("--top-k", default=0, show_default=True, type=click.IntRange(0)),
+        click.option("--min-p", default=0.0, show_default=True,
+                     type=click.FloatRange(0, 1, max_open=True)),
+        click.option("--seed", default=None, type=int),
+    ]):
+        f = opt(f)
+    return f
+
+
+def load_family(model: Optional[str], draft_models: tuple[str, ...]):
+    from .family import load
+
+    try:
+        return load(model or fixture_path(), drafters=draft_models)
+    except (LoadError, MemoryError) as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command()
-@click.option("--model", default=None, help="Bundle directory, target model path or cached "
-              "repo id (default: the bundled tg-tiny family).")
-@click.option("--draft-model", "draft_models", multiple=True,
-              help="Drafter model path (repeatable; the last one is the strong drafter).")
-@click.option("--strategy", default="treegraft", show_default=True,
-              help="ar, chain[:k], ngram, draft, treegraft or treegraft-fixed:<layers>.")
+@family_options
 @click.option("--prompt", default=None, help="Prompt text; '-' or absent reads stdin.")
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(1))
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--seed", default=None, type=int)
+@sampling_options
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True,
               help="Apply the tokenizer's chat template when it has one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--verbose", is_flag=True, help="Print a statistics line to stderr.")
-def generate(model: Optional[str], draft_models: tuple[str, ...], strategy: str, prompt: Optional[str], max_tokens: int, temp: float,
-             top_p: float, top_k: int, min_p: float, seed: Optional[int], chat_template: bool,
-             as_json: bool, verbose: bool) -> None:
+@click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
+def generate(model, draft_models, strategy, prompt, max_tokens, temp, top_p, top_k, min_p, seed,
+             chat_template, as_json, verbose, color) -> None:
     """Generate text from a prompt, streamed to stdout."""
     from .engine import stream_generate
-    from .family import load
+    from .generate import chat_prompt
 
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    try:
-        family = load(model or fixture_path(), drafters=draft_models)
-    except (LoadError, MemoryError) as e:
-        raise click.ClickException(str(e)) from None
-    tokenizer = family.tokenizer
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               tokenize=False, add_generation_prompt=True)
+    family = load_family(model, draft_models)
+    if chat_template and getattr(family.tokenizer, "chat_template", None):
+        prompt = chat_prompt(family.tokenizer, [{"role": "user", "content": prompt}])
     text, ids, last, decoders = "", [], None, []
     try:
         for r in stream_generate(family, prompt, strategy, max_tokens=max_tokens, temp=temp,
@@ -62,26 +81,115 @@ def generate(model: Optional[str], draft_models: tuple[str, ...], strategy: str,
             ids += r.tokens
             last = r
             if not as_json:
-                click.echo(r.text, nl=False)
+                click.echo(_colored(family.tokenizer, r) if color else r.text, nl=False)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
+    steps = last.steps if last else 0
     if as_json:
         click.echo(json.dumps({
             "text": text, "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
-            "generation_tokens": len(ids), "steps": last.steps if last else 0,
-            "mean_accepted": (len(ids) / last.steps) if last and last.steps else 0.0,
+            "generation_tokens": len(ids), "steps": steps,
+            "mean_accepted": len(ids) / steps if steps else 0.0,
             "tokens_per_sec": last.generation_tps if last else 0.0, "strategy": strategy,
             "drafter_calls": decoders[0].drafter_calls if decoders else 0}))
     else:
         click.echo()
     if verbose and last:
         click.echo(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
-                   f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, "
-                   f"{last.steps} steps", err=True)
+                   f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} "
+                   f"tok/s, {steps} steps, {len(ids) / max(steps, 1):.2f} tokens/step", err=True)
 
 
-if __name__ == "__main__":
-    main()
+def _colored(tokenizer, r) -> str:
+    """A step's first token is the target's own; the rest of its block were accepted drafts."""
+    head = tokenizer.decode(r.tokens[:1]) if r.tokens else ""
+    if len(r.tokens) < 2 or not r.text.startswith(head):
+        return r.text
+    return head + click.style(r.text[len(head):], fg="cyan")
+
+
+@main.command()
+@family_options
+@sampling_options
+def chat(model, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p, seed) -> None:
+    """Interactive multi-turn chat, streamed; caches are reused across turns.
+
+    Commands: /reset forgets the conversation, /stats shows the last turn's statistics,
+    /quit (or Ctrl-D) leaves. Ctrl-C stops a reply; at the prompt it leaves.
+    """
+    from .engine import stream_generate
+    from .generate import chat_prompt
+    from .session import Session
+
+    family = load_family(model, draft_models)
+    session, messages, stats = Session(family), [], None
+    click.echo("treegraft chat: /reset, /stats, /quit", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo()
+            return
+        if line.strip() == "/quit":
+            return
+        if line.strip() == "/reset":
+            session, messages = Session(family), []
+            click.echo("(conversation reset)", err=True)
+            continue
+        if line.strip() == "/stats":
+            click.echo(stats or "(no reply yet)", err=True)
+            continue
+        messages.append({"role": "user", "content": line})
+        reply, last = "", None
+        try:
+            for r in stream_generate(family, chat_prompt(family.tokenizer, messages), strategy,
+                                     max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
+                                     min_p=min_p, seed=seed, session=session):
+                reply += r.text
+                last = r
+                click.echo(r.text, nl=False)
+        except KeyboardInterrupt:
+            click.echo("\n(stopped)", err=True)
+        except ValueError as e:
+            click.echo(f"\nerror: {e}", err=True)
+            messages.pop()
+            continue
+        click.echo()
+        messages.append({"role": "assistant", "content": reply})
+        if last:
+            stats = (f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, "
+                     f"{last.steps} steps, {last.generation_tokens / max(last.steps, 1):.2f} "
+                     f"tokens/step, {session.cache.offset} tokens cached")
+
+
+@main.command()
+@family_options
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(1))
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
+def serve(model, draft_models, strategy, host, port, max_tokens_limit, max_body_bytes) -> None:
+    """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
+    from pathlib import Path
+
+    from .engine import parse_strategy
+    from .server import ServerConfig, make_server
+
+    try:
+        parse_strategy(strategy)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    family = load_family(model, draft_models)
+    model_id = Path(str(model)).name if model else "tg-tiny"
+    server = make_server(family, host, port, ServerConfig(model_id, strategy, max_tokens_limit,
+                                                          max_body_bytes))
+    click.echo(f"serving {model_id} ({strategy}) on http://{host}:{server.server_port}", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 @main.command()
@@ -109,15 +217,11 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
     from pathlib import Path
 
     from . import bench as B
-    from .family import load
 
     names = [s.strip().replace("+", ",") for s in strategies.split(",") if s.strip()]
     if "ar" not in names:
         names.insert(0, "ar")
-    try:
-        family = load(model or fixture_path(), drafters=draft_models)
-    except (LoadError, MemoryError) as e:
-        raise click.ClickException(str(e)) from None
+    family = load_family(model, draft_models)
     prompts = B.read_prompts(Path(prompts_file))
     if per_category:
         prompts = B.first_per_category(prompts, per_category)

@@ -30,6 +30,17 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return ids
 
 
+def chat_prompt(tokenizer, messages: list) -> str:
+    """The tokenizer's chat template, or a plain 'role: content' transcript when it has none."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
+            for m in messages):
+        raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
 def check_context(prompt_len: int, max_tokens: int, context: int) -> int:
     """Refuse prompts past the context; shorten max_tokens to what still fits."""
     if prompt_len >= context:
