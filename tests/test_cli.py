@@ -1,0 +1,84 @@
+"""Every `treegraft` command through click's CliRunner: schemas, exit codes, error messages."""
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from checkpoints import make_checkpoint, write_tokenizer
+from treegraft_mlx import fixture_path
+from treegraft_mlx.cli import main
+
+SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
+FIELDS = {"text", "token_ids", "prompt_tokens", "generation_tokens", "steps", "mean_accepted",
+          "tokens_per_sec", "strategy", "drafter_calls"}
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def test_generate_json_schema_for_each_strategy():
+    outs = {}
+    for strategy in ("ar", "ngram", "treegraft"):
+        r = run("generate", "--prompt", "import os\n\ndef walk(path):\n", "--max-tokens", "24",
+                "--strategy", strategy, "--json")
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.output)
+        assert set(out) == FIELDS and out["strategy"] == strategy
+        assert out["generation_tokens"] == len(out["token_ids"]) <= 24
+        assert out["mean_accepted"] == out["generation_tokens"] / out["steps"]
+        outs[strategy] = out
+    assert outs["ar"]["token_ids"] == outs["ngram"]["token_ids"] == outs["treegraft"]["token_ids"]
+    assert outs["ar"]["drafter_calls"] == 0 and outs["treegraft"]["drafter_calls"] > 0
+
+
+def test_generate_reads_stdin_and_streams_text():
+    r = run("generate", "--max-tokens", "8", "--strategy", "ngram", "--verbose", input="x = 1\n")
+    assert r.exit_code == 0 and "generation:" in r.output
+
+
+def test_generate_errors_name_the_problem(tmp_path):
+    r = run("generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert r.exit_code == 1 and "does not exist" in r.output
+    r = run("generate", "--prompt", "x", "--strategy", "warp-speed")
+    assert r.exit_code == 1 and "unknown strategy" in r.output
+    r = run("generate", "--prompt", "x = 1\n" * 1200, "--max-tokens", "4")
+    assert r.exit_code == 1 and "context" in r.output
+    other = tmp_path / "other"
+    make_checkpoint(other, "llama")
+    write_tokenizer(other, vocab_size=280)
+    r = run("generate", "--model", str(fixture_path() / "target"), "--draft-model", str(other),
+            "--prompt", "x")
+    assert r.exit_code == 1 and "tokenizer mismatch" in r.output
+    r = run("generate", "--prompt", "x", "--temp", "-1")
+    assert r.exit_code == 2
+
+
+def test_chat_session_commands():
+    r = run("chat", "--max-tokens", "8", "--strategy", "ngram",
+            input="def f():\n/stats\nand again\n/reset\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert "tokens cached" in r.output and "(conversation reset)" in r.output
+
+
+def test_bench_small_run(tmp_path):
+    out = tmp_path / "bench.json"
+    r = run("bench", "--prompts", str(SUITE), "--strategies", "ar,ngram,treegraft-fixed:1+3",
+            "--per-category", "1", "--max-tokens", "16", "--warmup", "0", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    strategies = report["summary"]["strategies"]
+    assert set(strategies) == {"ar", "ngram", "treegraft-fixed:1,3"}
+    assert strategies["ar"]["all"]["speedup_vs_ar"] == 1.0
+    assert len(report["runs"]) == 4 * 3 and report["meta"]["max_tokens"] == 16
+
+
+def test_convert_command(tmp_path):
+    src = make_checkpoint(tmp_path / "src", "qwen3")
+    r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out"), "-q",
+            "--q-bits", "8", "--q-group-size", "32")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "out/treegraft.json").read_text())["quantization"]["bits"] == 8
+    r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out"))
+    assert r.exit_code == 1 and "already exists" in r.output
