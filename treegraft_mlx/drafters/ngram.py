@@ -92,7 +92,6 @@ class NgramDrafter:
         chain_len = max(1, self.n_max - (layer - 1))
         cap = build_cap(self.top_k, self.depth)
         tokens = history.tokens
-        new_children: list[int] = []
         for parent in frontier:
             if tree.depth[parent] >= self.depth:
                 continue
@@ -111,13 +110,11 @@ class NgramDrafter:
                     if len(tree) >= cap or tree.depth[node] >= self.depth:
                         break
                     node = tree.add(node, tok, score if j == 0 else NEG_INF, n, end)
-                    if j == 0 and node not in new_children:
-                        new_children.append(node)
             if not enough:
                 tree.terminated[parent] = True
         if layer == 1 and len(tree) == 1 and self.index.most_frequent >= 0:
             # Nothing matched at all: the most frequent context token keeps the tree going.
             return [tree.add(0, self.index.most_frequent, 0.0)]
-        live = [c for c in new_children if not tree.terminated[tree.parent[c]]]
+        live = [c for p in frontier if not tree.terminated[p] for c in tree.children_of(p)]
         live.sort(key=lambda i: (-tree.match_len[i], -tree.score[i], i))
         return live if layer == 1 else live[: self.top_k]
