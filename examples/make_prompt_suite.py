@@ -6,6 +6,9 @@ Four categories, at least 20 prompts each, written as JSONL {id, category, promp
   long_context         a large prefix of a module; continue it
   docstring_to_code    a task described in comments, then the start of a def
 
+Also writes calibration.jsonl beside it: 16 prompts from held-out functions the suite does not
+use, for calibrating tree budgets and the scheduler without touching the benchmark.
+
 The held-out modules are those listed in the fixture family's split.json, so no prompt was
 seen in training. Deterministic: same interpreter, same suite.
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 SPLIT = Path(__file__).resolve().parents[1] / "treegraft_mlx/fixtures/tg-tiny/split.json"
 PER_CATEGORY = 24
+CALIBRATION_SIZE = 16
 LONG_CONTEXT_CHARS = 2400  # ~700 tokens: prompt + 256 new tokens stay inside the trained 1024
 
 
@@ -95,7 +99,22 @@ def build(modules: list[str]) -> list[dict]:
         add("docstring_to_code", f"{comment}def {node.name}({args}):\n", f"{module}:{node.name}")
     for module, prefix in prefixes[:PER_CATEGORY]:
         add("long_context", prefix, module)
-    return prompts
+    # Calibration prompts (tree budget, scheduler) come from functions the suite never uses.
+    calibration = []
+    for i, (module, node, lines, first) in enumerate(pool):
+        if len(calibration) >= CALIBRATION_SIZE:
+            break
+        body = dedented(lines, node.lineno, node.end_lineno)
+        if i % 2 or len(body) > 2000:
+            calibration.append({"id": f"calibration-{len(calibration):03d}", "category": "calibration",
+                                "prompt": dedented(lines, node.lineno, first.end_lineno),
+                                "source": f"{module}:{node.name}"})
+        else:
+            calibration.append({"id": f"calibration-{len(calibration):03d}", "category": "calibration",
+                                "prompt": body + "\n\n# The same function, rewritten:\n"
+                                + body.splitlines(keepends=True)[0],
+                                "source": f"{module}:{node.name}"})
+    return prompts, calibration
 
 
 def main() -> None:
@@ -103,11 +122,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/prompts/public.jsonl"))
     args = ap.parse_args()
     split = json.loads(SPLIT.read_text())
-    prompts = build(sorted(split["heldout"]))
+    prompts, calibration = build(sorted(split["heldout"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as f:
-        for p in prompts:
-            f.write(json.dumps(p) + "\n")
+    for path, rows in ((args.out, prompts), (args.out.with_name("calibration.jsonl"), calibration)):
+        with path.open("w") as f:
+            for p in rows:
+                f.write(json.dumps(p) + "\n")
+    print(f"{len(calibration)} calibration prompts -> {args.out.with_name('calibration.jsonl')}")
     counts = {}
     for p in prompts:
         counts[p["category"]] = counts.get(p["category"], 0) + 1

@@ -200,3 +200,53 @@ def write_report(path: Path, runs: list[Run], meta: dict) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
+
+
+def verification_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128), context: int = 256,
+                         repeats: int = 5) -> dict[int, float]:
+    """Median ms of one target forward over n tree nodes (a chain) after `context` tokens."""
+    import statistics
+
+    from .tree import attention_mask, positions
+
+    cache = target.make_cache()
+    target(mx.array([list(range(3, 3 + context))]), cache=cache)
+    cache.commit()
+    out = {}
+    for n in sizes:
+        parent = list(range(-1, n - 1))
+        tokens = mx.array([[7] * n])
+        pos, mask = positions(parent, context), attention_mask(parent, context)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            mx.eval(target(tokens, cache=cache, positions=pos, mask=mask))
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times[1:]) * 1000
+    return out
+
+
+def calibrate_budget(family: Family, prompts: list[dict], budgets: list[int], strategy: str,
+                     max_tokens: int, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Measured tokens/s of `strategy` per verification budget on calibration prompts.
+
+    Hardware-aware in the simplest honest way: the tree budget that is fastest on this machine,
+    measured end to end (verification cost and acceptance together), in one run.
+    """
+    import dataclasses
+
+    results = {}
+    for b in budgets:
+        tree = dataclasses.replace(family.tree, budget=b)
+        tokens, seconds, steps = 0, 0.0, 0
+        for p in prompts:
+            res = generate(family, p["prompt"], strategy, max_tokens=max_tokens, tree=tree)
+            tokens += res.generation_tokens
+            seconds += res.generation_tokens / res.tokens_per_sec if res.tokens_per_sec else 0.0
+            steps += res.steps
+            if progress:
+                progress(1)
+        results[b] = {"tokens_per_sec": tokens / seconds if seconds else 0.0,
+                      "mean_accepted": tokens / steps if steps else 0.0}
+    best = max(results, key=lambda b: results[b]["tokens_per_sec"])
+    return {"strategy": strategy, "budgets": results, "best_budget": best}

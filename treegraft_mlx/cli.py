@@ -276,3 +276,42 @@ def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quan
                        progress_factory=bar, log=lambda m: click.echo(m, err=True))
     except ConvertError as e:
         raise click.ClickException(str(e)) from None
+
+
+@main.command("calibrate-budget")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              default="benchmarks/prompts/calibration.jsonl", show_default=True)
+@click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
+@click.option("--strategy", default="treegraft", show_default=True)
+@click.option("--budgets", default="4,8,12,16,24,32,64", show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--write", is_flag=True, help="Store the best budget in the bundle's treegraft.json.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
+def calibrate_budget(prompts_file, model, strategy, budgets, max_tokens, write, json_out) -> None:
+    """Measure verification latency and pick the fastest tree budget on this machine."""
+    from pathlib import Path
+
+    from . import bench as B
+    from .family import save_tree_settings
+
+    family = load_family(model, ())
+    prompts = B.read_prompts(Path(prompts_file))
+    sizes = [int(b) for b in budgets.split(",")]
+    latency = B.verification_latency(family.target)
+    click.echo("verification latency (ms): " +
+               ", ".join(f"n={n}: {ms:.1f}" for n, ms in latency.items()), err=True)
+    with click.progressbar(length=len(prompts) * len(sizes), label="calibrate",
+                           file=sys.stderr) as bar:
+        result = B.calibrate_budget(family, prompts, sizes, strategy, max_tokens, bar.update)
+    for b, r in result["budgets"].items():
+        click.echo(f"budget {b:4d}: {r['tokens_per_sec']:7.1f} tok/s, "
+                   f"{r['mean_accepted']:.2f} tokens/step")
+    click.echo(f"best budget: {result['best_budget']}")
+    report = {**B.machine_info(), "verification_latency_ms": latency, **result}
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1))
+    if write:
+        import dataclasses
+
+        save_tree_settings(family.path, dataclasses.replace(family.tree, budget=result["best_budget"]))
+        click.echo(f"wrote budget {result['best_budget']} to {family.path / 'treegraft.json'}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -86,3 +87,15 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
     return Family(target, tokenizer, loaded, tree, root, paths)
 
+
+
+def save_tree_settings(bundle: Path, tree: TreeConfig) -> None:
+    """Record calibrated tree settings in a bundle's treegraft.json (written atomically)."""
+    manifest_file = Path(bundle) / "treegraft.json"
+    if not manifest_file.exists():
+        raise LoadError(f"{bundle} is not a bundle (no treegraft.json)")
+    manifest = json.loads(manifest_file.read_text())
+    manifest["tree"] = asdict(tree)
+    tmp = manifest_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_file)
