@@ -44,16 +44,16 @@ def available_memory() -> int:
 
 
 def blas_library() -> Optional[str]:
-    """The BLAS shared library mapped into this process (Linux only), if any can be seen."""
+    """The `libblas` shared library mapped into this process (what MLX's CPU wheel links), or
+    None where it cannot be seen. numpy's own bundled OpenBLAS does not count."""
     try:
         with open("/proc/self/maps") as f:
-            maps = f.read()
+            paths = {line.split()[-1] for line in f if ".so" in line}
     except OSError:
         return None
-    for name in ("openblas", "libmkl", "blis", "libblas"):
-        for line in maps.splitlines():
-            if name in line and ".so" in line:
-                return line.split()[-1]
+    for path in sorted(paths):
+        if "/libblas.so" in path or "openblas-pthread" in path:
+            return path
     return None
 
 
@@ -61,7 +61,7 @@ def warn_if_slow_blas() -> None:
     """Tell Linux users running on the CPU when the fast BLAS is not loaded."""
     if sys.platform == "linux" and not on_gpu():
         lib = blas_library()
-        if lib is None or "openblas" not in lib:
+        if lib is None or "openblas" not in lib:  # MLX's wheel bundles a reference BLAS
             warnings.warn(OPENBLAS_HINT, RuntimeWarning, stacklevel=2)
 
 
