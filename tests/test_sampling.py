@@ -54,17 +54,21 @@ def wrong_accept(tree, logits, settings, rng):
             return Acceptance(path, draw(p, rng))
 
 
-def test_first_token_distribution_is_exact():
+def first_token_chi_square(rule, n: int = 5000, seed: int = 1) -> float:
+    """Chi-square of the first committed token's counts against the root row's distribution."""
     tree, logits = constructed_case()
     p = np.exp(np.array(logits[0]))
     p /= p.sum()
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(seed)
     counts = np.zeros(6)
-    for _ in range(5000):
-        acc = accept_sample(tree, logits, SamplerSettings(temp=1.0), rng)
-        first = tree.token[acc.path[1]] if len(acc.path) > 1 else acc.bonus
-        counts[first] += 1
-    assert chi_square(counts, p) < CHI2_CRIT_001[5]
+    for _ in range(n):
+        acc = rule(tree, logits, SamplerSettings(temp=1.0), rng)
+        counts[tree.token[acc.path[1]] if len(acc.path) > 1 else acc.bonus] += 1
+    return chi_square(counts, p)
+
+
+def test_first_token_distribution_is_exact():
+    assert first_token_chi_square(accept_sample) < CHI2_CRIT_001[5]
 
 
 def test_second_token_given_accepted_draft_is_exact():
@@ -83,16 +87,7 @@ def test_second_token_given_accepted_draft_is_exact():
 
 
 def test_wrong_rule_fails_the_same_test():
-    tree, logits = constructed_case()
-    p = np.exp(np.array(logits[0]))
-    p /= p.sum()
-    rng = np.random.default_rng(1)
-    counts = np.zeros(6)
-    for _ in range(5000):
-        acc = wrong_accept(tree, logits, SamplerSettings(temp=1.0), rng)
-        first = tree.token[acc.path[1]] if len(acc.path) > 1 else acc.bonus
-        counts[first] += 1
-    assert chi_square(counts, p) > CHI2_CRIT_001[5]
+    assert first_token_chi_square(wrong_accept) > CHI2_CRIT_001[5]
 
 
 @pytest.mark.parametrize("settings", [SamplerSettings(temp=0.7, top_p=0.9),
