@@ -121,6 +121,17 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
             generation_tps=len(produced) / gen_time, finish_reason=finish, step_sizes=list(sizes))
         if finish is not None:
             return
+    # The steps ran out (a finite source): flush what was held back for stop strings.
+    detok.finalize()
+    text += detok.last_segment
+    cut = _first_stop(text, stop_strings, emitted)
+    text = text if cut is None else text[:cut]
+    if t_first is not None and len(text) > emitted:
+        yield Response(text=text[emitted:], tokens=[], prompt_tokens=prompt_len,
+                       generation_tokens=len(produced), steps=len(sizes),
+                       prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
+                       generation_tps=len(produced) / max(time.perf_counter() - t_first, 1e-9),
+                       finish_reason="stop", step_sizes=list(sizes))
 
 
 def _first_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:
