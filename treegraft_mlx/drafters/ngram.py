@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..history import History
-from ..tree import DraftTree, build_cap
+from ..tree import NEG_INF, DraftTree, build_cap
 
-NEG_INF = float("-inf")
 
 
 class NgramIndex:
