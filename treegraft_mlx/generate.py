@@ -84,6 +84,21 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
     text, emitted, t_first, finish = "", 0, None, None
     if max_tokens <= 0:
         return
+    def flush(text: str) -> str:
+        """Text after the detokenizer's last bytes, cut at a stop string if one appeared."""
+        detok.finalize()
+        text += detok.last_segment
+        cut = _first_stop(text, stop_strings, emitted)
+        return text if cut is None else text[:cut]
+
+    def response(piece: str, tokens: list[int], reason: Optional[str]) -> Response:
+        return Response(
+            text=piece, tokens=tokens, prompt_tokens=prompt_len,
+            generation_tokens=len(produced), steps=len(sizes),
+            prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
+            generation_tps=len(produced) / max(time.perf_counter() - t_first, 1e-9),
+            finish_reason=reason, step_sizes=list(sizes))
+
     for block in steps:
         if t_first is None:
             t_first = time.perf_counter()
@@ -107,31 +122,16 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
                 finish = "length"
                 break
         if finish is not None:
-            detok.finalize()
-            text += detok.last_segment
-            cut = _first_stop(text, stop_strings, emitted)
-            text = text if cut is None else text[:cut]
+            text = flush(text)
         upto = len(text) if finish else max(emitted, len(text) - holdback)
         piece, emitted = text[emitted:upto], upto
-        gen_time = max(time.perf_counter() - t_first, 1e-9)
-        yield Response(
-            text=piece, tokens=new_tokens, prompt_tokens=prompt_len,
-            generation_tokens=len(produced), steps=len(sizes),
-            prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
-            generation_tps=len(produced) / gen_time, finish_reason=finish, step_sizes=list(sizes))
+        yield response(piece, new_tokens, finish)
         if finish is not None:
             return
-    # The steps ran out (a finite source): flush what was held back for stop strings.
-    detok.finalize()
-    text += detok.last_segment
-    cut = _first_stop(text, stop_strings, emitted)
-    text = text if cut is None else text[:cut]
+    # The steps ran out (a finite source): emit what was held back for stop strings.
+    text = flush(text)
     if t_first is not None and len(text) > emitted:
-        yield Response(text=text[emitted:], tokens=[], prompt_tokens=prompt_len,
-                       generation_tokens=len(produced), steps=len(sizes),
-                       prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
-                       generation_tps=len(produced) / max(time.perf_counter() - t_first, 1e-9),
-                       finish_reason="stop", step_sizes=list(sizes))
+        yield response(text[emitted:], [], "stop")
 
 
 def _first_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:
