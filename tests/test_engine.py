@@ -13,6 +13,7 @@ from treegraft_mlx.drafters import ModelDrafter
 from treegraft_mlx.engine import Decoder, parse_strategy
 from treegraft_mlx.session import Session
 from treegraft_mlx.generate import stream
+from treegraft_mlx.history import History
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.tree import DraftTree
 
@@ -107,11 +108,35 @@ def test_strong_drafter_cache_sync_after_skipped_calls(family):
     strong: ModelDrafter = session.strong
     history = session.history
     tree = DraftTree.rooted_at(history.root)
-    got = strong._forward(tree.token, tree.parent, history)[0]
+    got = strong._run_new_nodes(tree, history).logp[0]
     fresh = family.strong(mx.array([history.tokens]))[0, -1].astype(mx.float32)
     fresh = fresh - mx.logsumexp(fresh)
-    assert strong.cache.offset == history.committed
+    assert strong.cache.offset == history.committed + 1
     assert mx.abs(got - fresh).max().item() < 1e-4
+    strong.observe(history, 0)
+    assert strong.cache.offset == history.committed
+
+
+def test_strong_drafter_runs_only_new_nodes_and_matches_one_forward(family):
+    """Two combine layers in one step: the second runs only the nodes added since the first,
+    and every node's log-probs equal those of one forward over the whole tree; a snapshot
+    restores the state exactly (the calibration's counterfactual branches rely on it)."""
+    ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
+    history = History(ids, capacity=len(ids) + 8)
+    strong = ModelDrafter(family.strong, top_k=3, depth=4)
+    tree = DraftTree.rooted_at(history.root)
+    frontier = strong.expand(tree, [0], 1, history)
+    before = strong.snapshot()
+    frontier = strong.expand(tree, frontier, 2, history)
+    assert strong._step.done == 4 and len(tree) > 4
+    strong._run_new_nodes(tree, history)
+    incremental = strong._step.logp
+    whole = ModelDrafter(family.strong, top_k=3, depth=4)._run_new_nodes(tree, history).logp
+    assert mx.abs(incremental - whole).max().item() < 1e-4
+    strong.restore(before)
+    assert strong._step.done == 1 and strong.cache.offset == history.committed + 1
+    again = strong._run_new_nodes(tree, history).logp
+    assert mx.abs(again - whole).max().item() < 1e-4
 
 
 def test_unknown_strategy_and_missing_drafter_are_clear(family):

@@ -28,7 +28,7 @@ from .generate import Prompt, Response, check_context, encode_prompt, stream
 from .history import History, top_logprobs
 from .sampling import SamplerSettings, sample_token
 from .session import Session
-from .scheduler import FixedSchedule, parse_layers
+from .scheduler import FixedSchedule, LayerState, parse_layers
 from .tree import DraftTree, prune
 from .verify import accept_greedy, accept_sample, verify
 
@@ -142,11 +142,15 @@ class Decoder:
             for tok in strong.draft_chain(root, self.strategy.chain_k, history):
                 tree.add(len(tree) - 1, tok, 0.0)
             return tree, [strong.name] * self.strategy.chain_k
-        frontier, used = [0], []
+        frontier, used, called = [0], [], []
         for layer in range(1, cfg.depth + 1):
-            drafter = self.drafters[self.schedule.choose(layer, len(self.drafters))]
-            frontier = drafter.expand(tree, frontier, layer, history)
-            used.append(drafter.name)
+            state = LayerState(layer, cfg.depth, history.committed, called, tree, frontier,
+                               cfg.top_k, cfg.lookback)
+            choice = self.schedule.choose(state, len(self.drafters))
+            if choice:
+                called.append(layer)
+            frontier = self.drafters[choice].expand(tree, frontier, layer, history)
+            used.append(self.drafters[choice].name)
         return tree, used
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:

@@ -1,12 +1,53 @@
 """Decides, before each tree layer, which drafter expands it.
 
 A schedule returns the index of the drafter (0 = the cheapest) for a layer. Fixed schedules
-cover the endpoints and ablations; the learned scheduler plugs in through the same method.
+cover the endpoints and ablations; the learned scheduler (design section 6) computes 17
+features of the tree being built and calls the strong drafter iff a tiny MLP predicts a
+positive value and fewer than `b0` calls were made this step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from .tree import DraftTree
+
+FORMAT_VERSION = 1
+BIT_LAYERS = 5  # "layer j already called" bits for j = 1..5 (deeper layers have no bit)
+FEATURE_NAMES = (
+    "log1p_context", "t_tgt_ms", "t_mid_ms", "log_t_tgt_over_t_mid", "layer_over_depth",
+    "called_over_depth", *(f"called_layer_{j}" for j in range(1, BIT_LAYERS + 1)),
+    "frontier_mean_depth", "frontier_leaf_ratio", "collapse_debt", "reselect_other_depth_share",
+    "reselect_frontier_overlap", "reselect_mean_score",
+)
+HIDDEN = (64, 32)
+
+
+@dataclass
+class LayerState:
+    """What a schedule may look at before expanding `layer` (1-based)."""
+
+    layer: int
+    depth: int
+    context: int                      # committed tokens
+    called: list[int]                 # layers the strong drafter expanded this step
+    tree: DraftTree
+    frontier: list[int]
+    top_k: int
+    lookback: int
+
+
+class Schedule(Protocol):
+    def choose(self, state: LayerState, num_drafters: int) -> int:
+        """Index of the drafter that expands `state.layer`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -15,8 +56,8 @@ class FixedSchedule:
 
     combine_layers: frozenset[int]
 
-    def choose(self, layer: int, num_drafters: int) -> int:
-        return num_drafters - 1 if layer in self.combine_layers else 0
+    def choose(self, state: LayerState, num_drafters: int) -> int:
+        return num_drafters - 1 if state.layer in self.combine_layers else 0
 
 
 def parse_layers(spec: str) -> frozenset[int]:
@@ -28,3 +69,140 @@ def parse_layers(spec: str) -> frozenset[int]:
     if any(layer < 1 for layer in layers):
         raise ValueError(f"combine layers are 1-based, got {sorted(layers)}")
     return layers
+
+
+def reselect(tree: DraftTree, frontier: list[int], top_k: int, lookback: int,
+             max_depth: int) -> np.ndarray:
+    """The graft parents a combine layer would choose with the current scores (design 4.3)."""
+    depth = np.asarray(tree.depth)
+    score = np.asarray(tree.score, dtype=np.float64)
+    d_max = max(tree.depth[f] for f in frontier) if frontier else 0
+    cand = np.flatnonzero((depth >= d_max - lookback) & (depth <= d_max) & (depth < max_depth))
+    return cand[np.lexsort((cand, -score[cand]))][:top_k]
+
+
+def features(state: LayerState, t_tgt_ms: float, t_mid_ms: float) -> np.ndarray:
+    """The 17 features, in FEATURE_NAMES order (float32).
+
+    Tree-state signals: frontier_leaf_ratio = share of the tree's leaves that are on the
+    frontier (the rest were terminated or cut); collapse_debt = mean frontier depth minus mean
+    depth of the frontier a reselection would pick now; the reselected set's share of nodes
+    from other depths than the deepest frontier depth, its overlap with the frontier (share of
+    it already on the frontier), and its mean finite score (0 if none is finite).
+    """
+    tree, frontier = state.tree, state.frontier
+    depth = np.asarray(tree.depth)
+    f_depth = depth[frontier] if frontier else np.zeros(1)
+    has_child = np.zeros(len(tree), dtype=bool)
+    has_child[[p for p in tree.parent[1:]]] = True
+    leaves = int((~has_child).sum())
+    leaf_ratio = float(np.sum(~has_child[frontier])) / leaves if frontier and leaves else 0.0
+    chosen = reselect(tree, frontier, state.top_k, state.lookback, state.depth)
+    d_max = int(f_depth.max())
+    if chosen.size:
+        r_depth = depth[chosen]
+        debt = float(f_depth.mean() - r_depth.mean())
+        other = float(np.mean(r_depth != d_max))
+        overlap = float(np.isin(chosen, frontier).mean())
+        scores = np.asarray(tree.score)[chosen]
+        finite = scores[np.isfinite(scores)]
+        mean_score = float(finite.mean()) if finite.size else 0.0
+    else:
+        debt = other = overlap = mean_score = 0.0
+    bits = [1.0 if j in state.called else 0.0 for j in range(1, BIT_LAYERS + 1)]
+    return np.array([
+        math.log1p(state.context), t_tgt_ms, t_mid_ms, math.log(t_tgt_ms / t_mid_ms),
+        state.layer / state.depth, len(state.called) / state.depth, *bits,
+        float(f_depth.mean()), leaf_ratio, debt, other, overlap, mean_score,
+    ], dtype=np.float32)
+
+
+@dataclass
+class SchedulerMLP:
+    """z-scored input -> 17-64-32-1 ReLU MLP -> de-standardised value (call minus skip).
+
+    Weights follow the (out, in) convention of `mlx.nn.Linear`. `value` runs an `mx.compile`d
+    function of the parameters, so one decision is a single fused call.
+    """
+
+    params: dict[str, mx.array]
+    _compiled: Optional[object] = field(default=None, repr=False)
+
+    PARAM_NAMES = ("in_mean", "in_std", "l1.weight", "l1.bias", "l2.weight", "l2.bias",
+                   "l3.weight", "l3.bias", "out_mean", "out_std")
+
+    @classmethod
+    def init(cls, seed: int = 0, n_in: int = len(FEATURE_NAMES)) -> "SchedulerMLP":
+        """He-initialised weights, identity normalisation."""
+        key = mx.random.key(seed)
+        dims = (n_in, *HIDDEN, 1)
+        p = {"in_mean": mx.zeros((n_in,)), "in_std": mx.ones((n_in,)),
+             "out_mean": mx.zeros((1,)), "out_std": mx.ones((1,))}
+        for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]), start=1):
+            key, sub = mx.random.split(key)
+            p[f"l{i}.weight"] = mx.random.normal((b, a), key=sub) * math.sqrt(2.0 / a)
+            p[f"l{i}.bias"] = mx.zeros((b,))
+        return cls(p)
+
+    def value(self, x: mx.array) -> mx.array:
+        """Predicted value of calling the strong drafter, for (..., 17) features."""
+        if self._compiled is None:
+            self._compiled = mx.compile(mlp_forward)
+        return self._compiled(self.params, x)
+
+    def save(self, directory: Path, metadata: dict) -> None:
+        """Write scheduler.safetensors and scheduler.json (each atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / "scheduler.tmp.safetensors"
+        mx.save_safetensors(str(tmp), {k: self.params[k] for k in self.PARAM_NAMES})
+        tmp.replace(directory / "scheduler.safetensors")
+        meta = {"format_version": FORMAT_VERSION, "features": list(FEATURE_NAMES),
+                "hidden": list(HIDDEN), **metadata}
+        tmp_json = directory / "scheduler.json.tmp"
+        tmp_json.write_text(json.dumps(meta, indent=2))
+        tmp_json.replace(directory / "scheduler.json")
+
+
+def mlp_forward(params: dict[str, mx.array], x: mx.array) -> mx.array:
+    z = (x - params["in_mean"]) / params["in_std"]
+    h = mx.maximum(z @ params["l1.weight"].T + params["l1.bias"], 0.0)
+    h = mx.maximum(h @ params["l2.weight"].T + params["l2.bias"], 0.0)
+    y = h @ params["l3.weight"].T + params["l3.bias"]
+    return (y * params["out_std"] + params["out_mean"])[..., 0]
+
+
+def load_artifact(directory: Path) -> tuple[SchedulerMLP, dict]:
+    """Read a scheduler artifact; clear errors for what is missing or of another format."""
+    directory = Path(directory)
+    meta_file, weights = directory / "scheduler.json", directory / "scheduler.safetensors"
+    for f in (meta_file, weights):
+        if not f.exists():
+            raise FileNotFoundError(f"scheduler artifact incomplete: {f} is missing")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_file}: format_version {meta.get('format_version')!r}, "
+                         f"this runtime reads {FORMAT_VERSION}")
+    if tuple(meta.get("features", ())) != FEATURE_NAMES:
+        raise ValueError(f"{meta_file}: feature list differs from this runtime's")
+    params = mx.load(str(weights))
+    missing = set(SchedulerMLP.PARAM_NAMES) - set(params)
+    if missing:
+        raise ValueError(f"{weights}: missing tensors {sorted(missing)}")
+    return SchedulerMLP(params), meta
+
+
+@dataclass
+class LearnedSchedule:
+    """Strong drafter iff mlp(features) > 0 and fewer than b0 calls this step."""
+
+    mlp: SchedulerMLP
+    t_tgt_ms: float
+    t_mid_ms: float
+    b0: int = 5
+
+    def choose(self, state: LayerState, num_drafters: int) -> int:
+        if num_drafters < 2 or len(state.called) >= self.b0:
+            return 0
+        x = mx.array(features(state, self.t_tgt_ms, self.t_mid_ms))
+        return num_drafters - 1 if self.mlp.value(x).item() > 0 else 0

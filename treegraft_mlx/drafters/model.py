@@ -1,58 +1,113 @@
 """The strong drafter: a small LM of the target's family that rescores and grafts onto the tree.
 
-One forward covers every node of the tree (tree mask), preceded by the committed tokens its own
-cache has not seen yet (lazy sync). Tree rows never persist in its cache.
+Each call runs, in one forward with a tree mask, the committed tokens its own cache has not
+seen yet (lazy sync) and the tree nodes it has not run this step. Tree rows never outlive the
+step in its cache.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..history import History
-from ..tree import DraftTree, attention_mask, build_cap, positions
+from ..tree import DraftTree, ancestor_mask, build_cap
+
+
+@dataclass
+class StepState:
+    """What S computed for the current step's tree: nodes [0, done) are in its cache."""
+
+    committed: int
+    done: int = 0
+    logp: Optional[mx.array] = None                  # (done, V) log-probs after each node
+    top_ids: Optional[np.ndarray] = None             # (done, top_k) S's best next tokens
+    top_lp: Optional[np.ndarray] = None
+
+    def copy(self) -> "StepState":
+        return StepState(self.committed, self.done, self.logp, self.top_ids, self.top_lp)
 
 
 class ModelDrafter:
     """Strong drafter S: rescore all nodes, reselect graft parents within the lookback window
-    (root and shallow nodes included), graft top-k children without deleting anything."""
+    (root and shallow nodes included), graft top-k children without deleting anything.
+
+    Within one step S's cache holds [committed tokens][tree nodes it has already run], so a
+    later combine layer runs only the nodes added since (a node's log-probs depend only on
+    its ancestors, which never change). `observe` ends the step and drops the tree rows.
+    """
 
     def __init__(self, model, name: str = "draft", top_k: int = 10, depth: int = 5,
                  lookback: int = 5):
         self.model, self.name = model, name
         self.top_k, self.depth, self.lookback = top_k, depth, lookback
-        self.cache = model.make_cache()
+        self.cache = model.make_cache(max_len=model.args.max_position_embeddings
+                                      + build_cap(top_k, depth))
         self.calls = 0
+        self._step: Optional[StepState] = None
 
     def observe(self, history: History, new_tokens: int) -> None:
-        """Nothing to do now: the cache catches up lazily at the next call."""
+        """The step ended: forget its tree rows (the accepted ones sync lazily next call)."""
+        if self._step is not None:
+            self.cache.reset(self._step.committed)
+            self._step = None
 
     def rewind(self, length: int) -> None:
         """The history was rewritten after `length` tokens: drop what the cache holds past it."""
+        self.observe(None, 0)
         self.cache.reset(min(self.cache.offset, length))
 
-    def _forward(self, tokens: list[int], parent: list[int], history: History) -> mx.array:
-        """Log-probs (float32) at every tree node, after syncing the committed prefix."""
-        prefix = history.tokens[self.cache.offset:history.committed]
-        ctx, m, n = self.cache.offset, len(prefix), len(tokens)
-        ids = mx.array([prefix + tokens])
-        logits = self.model(ids, cache=self.cache, positions=positions(parent, ctx, m),
-                            mask=attention_mask(parent, ctx, m),
-                            logits_rows=mx.arange(m, m + n))[0]
-        self.cache.commit(m)
-        self.calls += 1
-        return logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), -1, keepdims=True)
+    def snapshot(self) -> Optional["StepState"]:
+        """This step's state, to explore another branch and come back (calibration)."""
+        return None if self._step is None else self._step.copy()
 
-    def expand(self, tree: DraftTree, frontier: list[int], layer: int, history: History) -> list[int]:
-        logp = self._forward(tree.token, tree.parent, history)
-        parent = np.asarray(tree.parent)
-        edge = mx.take_along_axis(logp[mx.array(np.maximum(parent, 0))],
-                                  mx.array(tree.token)[:, None], -1)[:, 0]
+    def restore(self, state: Optional["StepState"]) -> None:
+        if state is None:
+            self.observe(None, 0)
+        else:
+            self._step = state.copy()
+            self.cache.reset(state.committed + state.done)
+
+    def _run_new_nodes(self, tree: DraftTree, history: History) -> StepState:
+        """Run S on the tree nodes it has not seen this step (after syncing the prefix)."""
+        step = self._step
+        if step is None:
+            step = self._step = StepState(history.committed)
+        c, done, n = step.committed, step.done, len(tree)
+        if done == n:
+            return step
+        prefix = history.tokens[self.cache.offset:c] if done == 0 else []
+        m, start = len(prefix), self.cache.offset
+        anc = ancestor_mask(tree.parent)
+        mask = np.zeros((m + n - done, c + n), dtype=bool)
+        mask[:m, :c] = np.arange(c)[None, :] <= np.arange(start, c)[:, None]
+        mask[m:, :c] = True
+        mask[m:, c:] = anc[done:n]
+        pos = np.concatenate([np.arange(start, c), c + np.asarray(tree.depth[done:n])])
+        logits = self.model(mx.array([prefix + tree.token[done:n]]), cache=self.cache,
+                            positions=mx.array(pos.astype(np.int32)), mask=mx.array(mask),
+                            logits_rows=mx.arange(m, m + n - done))[0].astype(mx.float32)
+        self.cache.commit()
+        self.calls += 1
+        logp = logits - mx.logsumexp(logits, -1, keepdims=True)
         k = self.top_k
         top_ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
         top_lp = mx.take_along_axis(logp, top_ids, -1)
-        mx.eval(edge, top_ids, top_lp)
-        edge, top_ids, top_lp = np.array(edge), np.array(top_ids), np.array(top_lp)
+        step.logp = logp if step.logp is None else mx.concatenate([step.logp, logp])
+        mx.eval(step.logp, top_ids, top_lp)
+        step.top_ids = np.concatenate([step.top_ids, np.array(top_ids)]) if done else np.array(top_ids)
+        step.top_lp = np.concatenate([step.top_lp, np.array(top_lp)]) if done else np.array(top_lp)
+        step.done = n
+        return step
+
+    def expand(self, tree: DraftTree, frontier: list[int], layer: int, history: History) -> list[int]:
+        step = self._run_new_nodes(tree, history)
+        parent = np.asarray(tree.parent)
+        edge = np.array(mx.take_along_axis(step.logp[mx.array(np.maximum(parent, 0))],
+                                           mx.array(tree.token)[:, None], -1)[:, 0])
 
         # Rescore: every node's score becomes S's cumulative path log-prob (float32).
         score = np.zeros(len(tree), dtype=np.float32)
@@ -65,20 +120,20 @@ class ModelDrafter:
         d_max = max(tree.depth[f] for f in frontier) if frontier else layer - 1
         cand = np.flatnonzero((depth >= d_max - self.lookback) & (depth <= d_max) &
                               (depth < self.depth))
-        chosen = cand[np.lexsort((cand, -score[cand]))][:k]
+        chosen = cand[np.lexsort((cand, -score[cand]))][:self.top_k]
 
         # Graft: S's top-k children under each chosen parent; existing children are updated.
         cap = build_cap(self.top_k, self.depth)
         grafted: list[int] = []
         for p in chosen:
-            for tok, lp in zip(top_ids[p], top_lp[p]):
+            for tok, lp in zip(step.top_ids[p], step.top_lp[p]):
                 if len(tree) >= cap and tree.child(int(p), int(tok)) < 0:
                     continue
                 c = tree.add(int(p), int(tok), float(score[p] + lp))
                 if c not in grafted:
                     grafted.append(c)
         grafted.sort(key=lambda i: (-tree.score[i], i))
-        return grafted if layer == 1 else grafted[:k]
+        return grafted if layer == 1 else grafted[:self.top_k]
 
     def draft_chain(self, root: int, k: int, history: History) -> list[int]:
         """Classic speculative decoding: k greedy tokens after the root, one forward each."""
