@@ -38,6 +38,7 @@ class Run:
     t_draft: float = 0.0
     t_verify: float = 0.0
     t_accept: float = 0.0
+    t_schedule: float = 0.0
     draft_k: Optional[int] = None  # mlx_lm_spec: the num_draft_tokens that was fastest
 
 
@@ -132,7 +133,7 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
         return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
                    res.mean_accepted, res.tokens_per_sec, res.token_ids,
                    sum(x.t_draft for x in st), sum(x.t_verify for x in st),
-                   sum(x.t_accept for x in st))
+                   sum(x.t_accept for x in st), sum(x.t_schedule for x in st))
 
     for p in prompts[:warmup]:
         for s in strategies:
@@ -158,7 +159,7 @@ def check_greedy(runs: list[Run]) -> list[str]:
 def summarize(runs: list[Run]) -> dict:
     """Per strategy and category: tokens/s (tokens over time), mean accepted, speedup over ar."""
     agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "draft": 0.0,
-                               "verify": 0.0, "accept": 0.0, "n": 0})
+                               "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0})
     for r in runs:
         for cat in (r.category, "all"):
             a = agg[(r.strategy, cat)]
@@ -168,6 +169,7 @@ def summarize(runs: list[Run]) -> dict:
             a["draft"] += r.t_draft
             a["verify"] += r.t_verify
             a["accept"] += r.t_accept
+            a["schedule"] += r.t_schedule
             a["n"] += 1
     out: dict = defaultdict(dict)
     for (s, cat), a in agg.items():
@@ -175,6 +177,8 @@ def summarize(runs: list[Run]) -> dict:
         out[s][cat] = {"tokens_per_sec": tps,
                        "mean_accepted": a["tokens"] / a["steps"] if a["steps"] else None,
                        "draft_s": a["draft"], "verify_s": a["verify"], "accept_s": a["accept"],
+                       "schedule_s": a["schedule"],
+                       "schedule_share": a["schedule"] / a["time"] if a["time"] else 0.0,
                        "runs": a["n"]}
     for s in out:
         for cat, v in out[s].items():

@@ -315,3 +315,86 @@ def calibrate_budget(prompts_file, model, strategy, budgets, max_tokens, write, 
 
         save_tree_settings(family.path, dataclasses.replace(family.tree, budget=result["best_budget"]))
         click.echo(f"wrote budget {result['best_budget']} to {family.path / 'treegraft.json'}")
+
+
+@main.command()
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              default="benchmarks/prompts/calibration.jsonl", show_default=True,
+              help="Calibration prompts (keep them out of the benchmark suite).")
+@click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
+@click.option("--work-dir", type=click.Path(file_okay=False), default="calibration-run",
+              show_default=True, help="Dataset and latency curve; rerun to resume.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--b0", default=5, show_default=True, type=click.IntRange(1),
+              help="Most strong-drafter calls per step.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--write", is_flag=True, help="Install the artifact in the bundle (scheduler/).")
+def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> None:
+    """Label call/skip decisions counterfactually, distil them into the scheduler MLP."""
+    from pathlib import Path
+
+    from . import bench as B
+    from .calibrate import calibrate as run
+    from .family import update_manifest
+    from .timing import cached_timing
+
+    family = load_family(model, ())
+    if family.strong is None:
+        raise click.ClickException("calibration needs a family with a strong drafter")
+    prompts = B.read_prompts(Path(prompts_file))
+    timing = cached_timing(family, family.tree)
+    click.echo(f"T_tgt {timing.t_tgt_ms:.1f} ms, T_mid {timing.t_mid_ms:.1f} ms", err=True)
+    work = Path(work_dir)
+    artifact = work / "scheduler"
+    with click.progressbar(length=len(prompts), label="calibrate", file=sys.stderr) as bar:
+        meta = run(family, Path(prompts_file), prompts, work, timing, artifact, max_tokens, b0,
+                   seed, bar.update)
+    m = meta["metrics"]
+    for split in ("train", "heldout"):
+        if m[split]:
+            s = m[split]
+            click.echo(f"{split}: {m[split + '_rows']} decisions, sign accuracy "
+                       f"{s['sign_accuracy']:.2f}, call rate {s['call_rate']:.2f}, gain "
+                       f"{s['gain_policy']:.3f} (always {s['gain_always']:.3f}, oracle "
+                       f"{s['gain_oracle']:.3f}) tokens/ms")
+    click.echo(f"artifact: {artifact}")
+    if write:
+        if family.path is None or not (family.path / "treegraft.json").exists():
+            raise click.ClickException("--write needs a bundle with treegraft.json")
+        import shutil
+
+        dest = family.path / "scheduler"
+        tmp = family.path / "scheduler.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(artifact, tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.replace(dest)
+        update_manifest(family.path, scheduler="scheduler")
+        click.echo(f"installed in {dest}")
+
+
+@main.command("export-coreml")
+@click.option("--model", default=None, help="Bundle with a scheduler (default: tg-tiny).")
+@click.option("--scheduler", "scheduler_dir", type=click.Path(exists=True, file_okay=False),
+              default=None, help="Scheduler artifact directory (default: the bundle's).")
+@click.option("--out", required=True, type=click.Path(), help="Output .mlpackage path.")
+def export_coreml(model, scheduler_dir, out) -> None:
+    """Export the learned scheduler as a Core ML ML Program (.mlpackage) for macOS apps."""
+    from pathlib import Path
+
+    from .coreml import export_coreml as export
+
+    if scheduler_dir is None:
+        from .family import family_manifest
+
+        bundle = Path(model) if model else fixture_path()
+        rel = family_manifest(bundle).get("scheduler") if (bundle / "treegraft.json").exists() else None
+        if not rel:
+            raise click.ClickException(f"{bundle} has no calibrated scheduler; run "
+                                       "`treegraft calibrate --write` or pass --scheduler")
+        scheduler_dir = bundle / rel
+    try:
+        path = export(Path(scheduler_dir), Path(out))
+    except (ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {path}")

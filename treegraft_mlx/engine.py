@@ -7,7 +7,8 @@ streaming and statistics are shared (generate.stream). Strategies by name:
   chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
   ngram                   endpoint W: the n-gram drafter builds every layer
   draft                   endpoint S: the strong drafter expands every layer
-  treegraft               the shared tree with the default schedule
+  treegraft               the shared tree; the family's learned scheduler decides each layer
+                          (without a calibrated scheduler: the default fixed schedule)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
 
 Mean accepted length := generated tokens / target forwards after prefill (tokens per step).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -28,12 +29,13 @@ from .generate import Prompt, Response, check_context, encode_prompt, stream
 from .history import History, top_logprobs
 from .sampling import SamplerSettings, sample_token
 from .session import Session
-from .scheduler import FixedSchedule, LayerState, parse_layers
+from .scheduler import FixedSchedule, LayerState, LearnedSchedule, Schedule, parse_layers
+from .timing import cached_timing
 from .tree import DraftTree, prune
-from .verify import accept_greedy, accept_sample, verify
+from .verify import Acceptance, accept_greedy, accept_sample, verify
 
 DEFAULT_CHAIN_K = 4
-# Until the learned scheduler lands, `treegraft` uses the fastest fixed schedule measured on
+# Without a calibrated scheduler, `treegraft` uses the fastest fixed schedule measured on
 # tg-tiny here (benchmarks/results/greedy.json: layer 1 only 0.96x ar, layers 1 and 3 0.37x).
 DEFAULT_COMBINE_LAYERS = frozenset({1})
 
@@ -47,6 +49,7 @@ class StepStats:
     t_draft: float
     t_verify: float
     t_accept: float
+    t_schedule: float = 0.0       # part of t_draft spent deciding (the learned scheduler)
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,12 @@ class Strategy:
     kind: str                                   # "ar", "chain" or "tree"
     combine_layers: frozenset[int] = frozenset()
     chain_k: int = DEFAULT_CHAIN_K
+    learned: bool = False                       # the family's scheduler, if it has one
 
     @property
     def needs_strong(self) -> bool:
-        return self.kind == "chain" or (self.kind == "tree" and bool(self.combine_layers))
+        return self.kind == "chain" or (self.kind == "tree" and
+                                        (bool(self.combine_layers) or self.learned))
 
 
 STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-fixed:<layers>")
@@ -77,7 +82,7 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     if name == "draft":
         return Strategy(name, "tree", frozenset(range(1, depth + 1)))
     if name == "treegraft":
-        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS)
+        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS, learned=True)
     if name.startswith("treegraft-fixed:"):
         return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
@@ -95,7 +100,12 @@ class Decoder:
             if session.strong is None:
                 raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
             self.drafters.append(session.strong)
-        self.schedule = FixedSchedule(strategy.combine_layers)
+        self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
+        family = session.family
+        if strategy.learned and family.scheduler() is not None:
+            mlp, meta = family.scheduler()
+            timing = cached_timing(family, session.tree)
+            self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
@@ -134,50 +144,80 @@ class Decoder:
             yield [history.tokens[-2]]
             nxt = after
 
-    def _build(self, root: int, history: History) -> tuple[DraftTree, list[str]]:
+    def _build(self, root: int, history: History) -> tuple[DraftTree, "TreeBuild"]:
         cfg = self.session.tree
         tree = DraftTree.rooted_at(root)
         if self.strategy.kind == "chain":
             strong = self.drafters[-1]
             for tok in strong.draft_chain(root, self.strategy.chain_k, history):
                 tree.add(len(tree) - 1, tok, 0.0)
-            return tree, [strong.name] * self.strategy.chain_k
-        frontier, used, called = [0], [], []
-        for layer in range(1, cfg.depth + 1):
-            state = LayerState(layer, cfg.depth, history.committed, called, tree, frontier,
-                               cfg.top_k, cfg.lookback)
-            choice = self.schedule.choose(state, len(self.drafters))
-            if choice:
-                called.append(layer)
-            frontier = self.drafters[choice].expand(tree, frontier, layer, history)
-            used.append(self.drafters[choice].name)
-        return tree, used
+            return tree, TreeBuild(tree, [], [], [strong.name] * self.strategy.chain_k)
+        build = TreeBuild(tree, [0], [], [])
+        build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
+        return tree, build
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
-        cache, history = self.session.cache, self.session.history
         while True:
             t0 = time.perf_counter()
-            full, used = self._build(root, history)
+            full, build = self._build(root, self.session.history)
             tree = full.subtree(prune(full, self.session.tree.budget))
             t1 = time.perf_counter()
-            logits = verify(self.target, cache, tree)
+            logits = verify(self.target, self.session.cache, tree)
             mx.eval(logits)
             t2 = time.perf_counter()
             if self.settings.greedy:
                 acc = accept_greedy(tree, logits)
             else:
                 acc = accept_sample(tree, logits, self.settings, self.rng)
-            cache.keep(acc.path)
-            top_ids, top_lp = top_logprobs(logits[mx.array(acc.path)])
-            history.record(history.committed, top_ids, top_lp)
-            block = [tree.token[i] for i in acc.path]
-            history.extend(block[1:] + [acc.bonus])
-            for d in self.drafters:
-                d.observe(history, len(block))
-            self.stats.append(StepStats(len(acc.path) - 1, len(tree), len(full), used,
-                                        t1 - t0, t2 - t1, time.perf_counter() - t2))
+            block = commit(self.session, self.drafters, tree, logits, acc)
+            self.stats.append(StepStats(len(acc.path) - 1, len(tree), len(full), build.used,
+                                        t1 - t0, t2 - t1, time.perf_counter() - t2,
+                                        build.t_schedule))
             yield block
             root = acc.bonus
+
+
+@dataclass
+class TreeBuild:
+    """A tree being built layer by layer, and who expanded which layer so far."""
+
+    tree: DraftTree
+    frontier: list[int]
+    called: list[int]             # layers the strong drafter expanded
+    used: list[str]               # drafter name per layer
+    t_schedule: float = 0.0       # seconds spent in the schedule's decisions
+
+    def expand(self, layers: Iterable[int], schedule: Schedule, drafters: list,
+               cfg: TreeConfig, history: History) -> None:
+        for layer in layers:
+            state = LayerState(layer, cfg.depth, history.committed, self.called, self.tree,
+                               self.frontier, cfg.top_k, cfg.lookback)
+            t0 = time.perf_counter()
+            choice = schedule.choose(state, len(drafters))
+            self.t_schedule += time.perf_counter() - t0
+            if choice:
+                self.called.append(layer)
+            self.frontier = drafters[choice].expand(self.tree, self.frontier, layer, history)
+            self.used.append(drafters[choice].name)
+
+    def copy(self) -> "TreeBuild":
+        return TreeBuild(self.tree.copy(), list(self.frontier), list(self.called),
+                         list(self.used), self.t_schedule)
+
+
+def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
+           acc: Acceptance) -> list[int]:
+    """Commit the accepted path: compact the target cache, keep the target's log-probs,
+    extend the history and tell the drafters. Returns the committed block (root first)."""
+    history = session.history
+    session.cache.keep(acc.path)
+    top_ids, top_lp = top_logprobs(logits[mx.array(acc.path)])
+    history.record(history.committed, top_ids, top_lp)
+    block = [tree.token[i] for i in acc.path]
+    history.extend(block[1:] + [acc.bonus])
+    for d in drafters:
+        d.observe(history, len(block))
+    return block
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Union
 
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
+from .scheduler import load_artifact
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class Family:
     tree: TreeConfig = field(default_factory=TreeConfig)
     path: Optional[Path] = None
     model_paths: dict[str, Path] = field(default_factory=dict)  # "target" and each drafter
+    scheduler_dir: Optional[Path] = None   # calibrated scheduler artifact, if the bundle has one
+    _scheduler: Optional[tuple] = field(default=None, repr=False)
+
+    def scheduler(self) -> Optional[tuple]:
+        """(SchedulerMLP, metadata) of the bundle's scheduler, loaded once; None without one."""
+        if self._scheduler is None and self.scheduler_dir is not None:
+            self._scheduler = load_artifact(self.scheduler_dir)
+        return self._scheduler
 
     @property
     def strong(self):
@@ -67,12 +76,14 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
     """Load a family from a bundle directory (with treegraft.json) or a target plus drafters."""
     root = resolve_path(target_path_or_bundle)
     manifest_file = root / "treegraft.json"
-    settings = {}
+    settings, scheduler_dir = {}, None
     if manifest_file.exists():
         manifest = family_manifest(root)
         target_dir = root / manifest["target"]
         drafter_dirs = [(name, root / rel) for name, rel in manifest.get("drafters", {}).items()]
         settings = manifest.get("tree", {})
+        if manifest.get("scheduler"):
+            scheduler_dir = root / manifest["scheduler"]
     else:
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
@@ -85,17 +96,21 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         loaded[name] = model
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
-    return Family(target, tokenizer, loaded, tree, root, paths)
-
+    return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir)
 
 
 def save_tree_settings(bundle: Path, tree: TreeConfig) -> None:
     """Record calibrated tree settings in a bundle's treegraft.json (written atomically)."""
+    update_manifest(bundle, tree=asdict(tree))
+
+
+def update_manifest(bundle: Path, **entries) -> None:
+    """Set top-level entries of a bundle's treegraft.json (written atomically)."""
     manifest_file = Path(bundle) / "treegraft.json"
     if not manifest_file.exists():
         raise LoadError(f"{bundle} is not a bundle (no treegraft.json)")
     manifest = json.loads(manifest_file.read_text())
-    manifest["tree"] = asdict(tree)
+    manifest.update(entries)
     tmp = manifest_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_file)

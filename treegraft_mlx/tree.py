@@ -50,6 +50,12 @@ class DraftTree:
         self.terminated.append(False)
         return len(self.token) - 1
 
+    def copy(self) -> "DraftTree":
+        """An independent copy (to try another way of building the rest of it)."""
+        return DraftTree(list(self.token), list(self.parent), list(self.depth), list(self.score),
+                         list(self.match_len), list(self.match_pos), list(self.terminated),
+                         dict(self.children), {p: list(c) for p, c in self.kids.items()})
+
     def child(self, parent: int, token: int) -> int:
         """Index of parent's child carrying `token`, or -1."""
         return self.children.get((parent, int(token)), -1)

@@ -1,0 +1,188 @@
+"""Scheduler: features, the compiled MLP, decisions within b0, the value system and training."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from treegraft_mlx import calibrate as C
+from treegraft_mlx import fixture_path, generate, load
+from treegraft_mlx import timing as T
+from treegraft_mlx.bench import first_per_category, read_prompts
+from treegraft_mlx.scheduler import (FEATURE_NAMES, LayerState, LearnedSchedule, SchedulerMLP,
+                                     features, load_artifact, mlp_forward)
+from treegraft_mlx.session import Session
+from treegraft_mlx.tree import NEG_INF, DraftTree
+
+from pathlib import Path
+
+CALIBRATION = Path(__file__).parents[1] / "benchmarks/prompts/calibration.jsonl"
+
+
+def small_tree() -> DraftTree:
+    """root -> a(-1), b(-2); a -> c(-inf chain token), b -> d(-3)."""
+    t = DraftTree.rooted_at(5)
+    a, b = t.add(0, 10, -1.0), t.add(0, 11, -2.0)
+    t.add(a, 12, NEG_INF)
+    t.add(b, 13, -3.0)
+    return t
+
+
+def test_features_of_a_constructed_tree():
+    t = small_tree()
+    state = LayerState(layer=3, depth=5, context=99, called=[1], tree=t, frontier=[3, 4],
+                       top_k=2, lookback=5)
+    x = features(state, t_tgt_ms=40.0, t_mid_ms=8.0)
+    f = dict(zip(FEATURE_NAMES, x.tolist()))
+    assert len(x) == 17
+    assert f["log1p_context"] == pytest.approx(np.log(100))
+    assert f["log_t_tgt_over_t_mid"] == pytest.approx(np.log(5))
+    assert f["layer_over_depth"] == pytest.approx(0.6)
+    assert f["called_over_depth"] == pytest.approx(0.2)
+    assert [f[f"called_layer_{j}"] for j in range(1, 6)] == [1, 0, 0, 0, 0]
+    assert f["frontier_mean_depth"] == 2
+    assert f["frontier_leaf_ratio"] == 1.0          # both leaves are on the frontier
+    # Reselection (top 2 by score within the lookback): root (0) and a (-1), depths 0 and 1.
+    assert f["collapse_debt"] == pytest.approx(2 - 0.5)
+    assert f["reselect_other_depth_share"] == 1.0
+    assert f["reselect_frontier_overlap"] == 0.0
+    assert f["reselect_mean_score"] == pytest.approx(-0.5)
+
+
+def constant_mlp(value: float) -> SchedulerMLP:
+    mlp = SchedulerMLP.init(0)
+    mlp.params["l3.weight"] = mx.zeros_like(mlp.params["l3.weight"])
+    mlp.params["l3.bias"] = mx.array([value])
+    return mlp
+
+
+def test_compiled_mlp_equals_numpy_and_plain_forward():
+    mlp = SchedulerMLP.init(3)
+    rng = np.random.default_rng(0)
+    mlp.params.update(in_mean=mx.array(rng.normal(size=17).astype(np.float32)),
+                      in_std=mx.array(rng.uniform(0.5, 2, size=17).astype(np.float32)),
+                      out_mean=mx.array([0.3]), out_std=mx.array([2.0]))
+    x = rng.normal(size=(32, 17)).astype(np.float32)
+    p = {k: np.array(v) for k, v in mlp.params.items()}
+    z = (x - p["in_mean"]) / p["in_std"]
+    h = np.maximum(z @ p["l1.weight"].T + p["l1.bias"], 0)
+    h = np.maximum(h @ p["l2.weight"].T + p["l2.bias"], 0)
+    want = (h @ p["l3.weight"].T + p["l3.bias"])[:, 0] * 2.0 + 0.3
+    np.testing.assert_allclose(np.array(mlp.value(mx.array(x))), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(mlp_forward(mlp.params, mx.array(x))), want, rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_learned_schedule_follows_sign_and_stops_at_b0():
+    t = small_tree()
+
+    def decisions(mlp, b0):
+        sched, called = LearnedSchedule(mlp, 40.0, 8.0, b0), []
+        for layer in range(1, 6):
+            state = LayerState(layer, 5, 50, called, t, [1, 2], 2, 5)
+            if sched.choose(state, 2):
+                called.append(layer)
+        return called
+
+    assert decisions(constant_mlp(1.0), 5) == [1, 2, 3, 4, 5]
+    assert decisions(constant_mlp(1.0), 2) == [1, 2]
+    assert decisions(constant_mlp(-1.0), 5) == []
+    assert LearnedSchedule(constant_mlp(1.0), 40.0, 8.0).choose(
+        LayerState(1, 5, 50, [], t, [0], 2, 5), 1) == 0     # no strong drafter: never
+
+
+def test_artifact_round_trip_and_clear_errors(tmp_path):
+    mlp = SchedulerMLP.init(1)
+    mlp.save(tmp_path / "a", {"b0": 3})
+    back, meta = load_artifact(tmp_path / "a")
+    x = mx.array(np.random.default_rng(1).normal(size=(4, 17)).astype(np.float32))
+    assert mx.allclose(back.value(x), mlp.value(x)).item()
+    assert meta["b0"] == 3 and meta["features"] == list(FEATURE_NAMES)
+    (tmp_path / "a" / "scheduler.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="scheduler.safetensors"):
+        load_artifact(tmp_path / "a")
+    mlp.save(tmp_path / "b", {"b0": 3})
+    meta_file = tmp_path / "b" / "scheduler.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "format_version": 99}))
+    with pytest.raises(ValueError, match="format_version"):
+        load_artifact(tmp_path / "b")
+
+
+def test_training_recovers_a_learnable_rule():
+    """Labels positive on early layers with a short frontier: the distilled MLP must get the
+    held-out signs right (a broken trainer or normalisation would not)."""
+    rng = np.random.default_rng(0)
+    dataset = {}
+    for p in range(12):
+        rows = []
+        for _ in range(60):
+            x = rng.normal(size=17).astype(np.float32)
+            x[1], x[2] = 40.0, 8.0                      # constant timing features
+            x[4] = rng.integers(1, 6) / 5               # layer / depth
+            label = (1.0 if x[4] < 0.5 else -1.0) * (0.5 + abs(x[11]))
+            rows.append({"x": x.tolist(), "label": label})
+        dataset[f"p{p}"] = rows
+    mlp, metrics = C.train_mlp(dataset)
+    assert metrics["heldout_prompts"] == 3
+    assert metrics["heldout"]["sign_accuracy"] > 0.9
+    assert metrics["heldout"]["gain_policy"] > 0.75 * metrics["heldout"]["gain_oracle"]
+
+
+@pytest.fixture(scope="module")
+def family():
+    return load(fixture_path())
+
+
+def test_labelling_explores_counterfactuals_without_changing_the_output(family):
+    """Both branches of every decision are played and undone; the committed tokens are still
+    exactly the target's greedy output, and each label is the value difference."""
+    prompt = first_per_category(read_prompts(CALIBRATION), 1)[0]["prompt"]
+    ids = family.tokenizer.encode(prompt)
+    session = Session(family)
+    curve = C.LatencyCurve({1: 10.0, 64: 40.0})
+    rows = C.label_prompt(session, ids, T.Timing(30.0, 5.0), curve, 24, 5,
+                          np.random.default_rng(0))
+    got = session.history.tokens[len(ids):]
+    want = generate(family, prompt, "ar", max_tokens=len(got)).token_ids
+    assert got[:len(want)] == want and len(want) >= 24
+    assert rows and {r["layer"] for r in rows} == {1, 2, 3, 4, 5}
+    for r in rows:
+        b = r["branches"]
+        assert r["label"] == pytest.approx(b["tokens_call"] / b["ms_call"]
+                                           - b["tokens_skip"] / b["ms_skip"])
+        assert len(r["x"]) == 17 and b["ms_call"] > 0 and b["tokens_skip"] >= 1
+
+
+def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
+    prompts = read_prompts(CALIBRATION)[:3]
+    calls = []
+
+    def fake_label(session, ids, timing, curve, max_tokens, b0, rng):
+        calls.append(len(ids))
+        return [{"x": [0.0] * 17, "label": 1.0, "layer": 1, "branches": {}}]
+
+    monkeypatch.setattr(C, "label_prompt", fake_label)
+    monkeypatch.setattr(C, "verification_latency", lambda target, sizes: {1: 10.0, 64: 40.0})
+    C.build_dataset(family, prompts[:2], tmp_path, T.Timing(30.0, 5.0))
+    with open(tmp_path / C.DATASET, "a") as f:
+        f.write('{"prompt_id": "torn')                 # a write cut by a crash
+    done = C.build_dataset(family, prompts, tmp_path, T.Timing(30.0, 5.0))
+    assert len(calls) == 3 and sorted(done) == sorted(p["id"] for p in prompts)
+
+
+def test_timing_is_measured_once_per_family_and_device(family, tmp_path, monkeypatch):
+    measured = []
+
+    def fake_measure(fam, tree):
+        measured.append(1)
+        return T.Timing(33.0, 4.0)
+
+    monkeypatch.setattr(T, "measure_timing", fake_measure)
+    cache = tmp_path / "timings.json"
+    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
+    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
+    assert len(measured) == 1
+    cache.write_text("{not json")
+    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
+    assert len(measured) == 2

@@ -1,0 +1,267 @@
+"""The offline value system: counterfactual labels for the scheduler, and their distillation.
+
+At every decision point of a step (before each tree layer) both branches are played out from
+the same state: the strong drafter expands this layer (call) or the weak one does (skip); the
+rest of the step follows the reference policy (weak drafter only); each branch's tree is
+pruned, verified by the target and accepted greedily. A branch's value is committed tokens per
+millisecond of step time:
+
+    value = committed tokens / (drafting ms measured so far in this step + the branch's
+            measured drafting ms + T_verify(nodes verified))
+
+where T_verify comes from the target's verification-latency curve measured on this machine at
+the start of the run (a curve, not each branch's own noisy wall time: both branches verify
+similar trees, and a 2-3 ms timing jitter would otherwise swamp a one-token difference). The
+label is value(call) - value(skip); the scheduler calls iff its prediction is > 0. The step
+itself then continues with an exploring behaviour policy (strong drafter with probability
+1/2, within b0 calls), so states after earlier calls are visited too.
+
+The dataset is written prompt by prompt (one JSON line each), so an interrupted run resumes
+where it stopped. Labels are greedy-decoding labels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+
+from .bench import machine_info, verification_latency
+from .engine import TreeBuild, commit
+from .family import Family, TreeConfig
+from .sampling import SamplerSettings
+from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, SchedulerMLP, features,
+                        mlp_forward)
+from .session import Session
+from .timing import Timing
+from .tree import DraftTree, prune
+from .verify import accept_greedy, verify
+
+REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
+EXPLORE_CALL_PROB = 0.5
+DATASET = "dataset.jsonl"
+
+
+@dataclass
+class Branches:
+    """Both branches of one decision: committed tokens and step ms of each."""
+
+    tokens_call: int
+    ms_call: float
+    tokens_skip: int
+    ms_skip: float
+
+    @property
+    def label(self) -> float:
+        return self.tokens_call / self.ms_call - self.tokens_skip / self.ms_skip
+
+
+class LatencyCurve:
+    """Target verification ms for n nodes, interpolated from measured points."""
+
+    def __init__(self, points: dict[int, float]):
+        self.n = np.array(sorted(points), dtype=np.float64)
+        self.ms = np.array([points[k] for k in sorted(points)], dtype=np.float64)
+
+    def __call__(self, n: int) -> float:
+        return float(np.interp(n, self.n, self.ms))
+
+
+def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: bool,
+          curve: LatencyCurve, spent_ms: float) -> tuple[int, float]:
+    """Finish the step from `build` with this layer called or skipped; (tokens, step ms)."""
+    cfg, history = session.tree, session.history
+    t0 = time.perf_counter()
+    build.expand([layer], FixedSchedule(frozenset({layer} if call else set())), drafters, cfg,
+                 history)
+    build.expand(range(layer + 1, cfg.depth + 1), REFERENCE, drafters, cfg, history)
+    tree = build.tree.subtree(prune(build.tree, cfg.budget))
+    draft_ms = 1000 * (time.perf_counter() - t0)
+    acc = accept_greedy(tree, verify(session.family.target, session.cache, tree))
+    return len(acc.path), spent_ms + draft_ms + curve(len(tree))
+
+
+def label_prompt(session: Session, ids: list[int], timing: Timing, curve: LatencyCurve,
+                 max_tokens: int, b0: int, rng: np.random.Generator) -> list[dict]:
+    """Generate up to `max_tokens` greedily, labelling every decision point on the way."""
+    cfg = session.tree
+    strong = session.strong
+    drafters = [session.ngram, strong]
+    root = session.prefill(ids, SamplerSettings(), rng)
+    rows: list[dict] = []
+    generated = 0
+    eos = set(session.family.tokenizer.eos_token_ids)
+    while generated < max_tokens:
+        history = session.history
+        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        spent_ms = 0.0
+        for layer in range(1, cfg.depth + 1):
+            if len(build.called) < b0:
+                state = LayerState(layer, cfg.depth, history.committed, build.called,
+                                   build.tree, build.frontier, cfg.top_k, cfg.lookback)
+                x = features(state, timing.t_tgt_ms, timing.t_mid_ms)
+                snap = strong.snapshot()
+                call = _play(session, drafters, build.copy(), layer, True, curve, spent_ms)
+                strong.restore(snap)
+                skip = _play(session, drafters, build.copy(), layer, False, curve, spent_ms)
+                strong.restore(snap)
+                b = Branches(*call, *skip)
+                rows.append({"x": x.tolist(), "label": b.label, "layer": layer,
+                             "branches": asdict(b)})
+            explore = len(build.called) < b0 and rng.random() < EXPLORE_CALL_PROB
+            t0 = time.perf_counter()
+            build.expand([layer], FixedSchedule(frozenset({layer} if explore else set())),
+                         drafters, cfg, history)
+            spent_ms += 1000 * (time.perf_counter() - t0)
+        tree = build.tree.subtree(prune(build.tree, cfg.budget))
+        logits = verify(session.family.target, session.cache, tree)
+        acc = accept_greedy(tree, logits)
+        block = commit(session, drafters, tree, logits, acc)
+        generated += len(block)
+        root = acc.bonus
+        if eos & set(block[1:] + [acc.bonus]):
+            break
+    return rows
+
+
+def read_dataset(out_dir: Path) -> dict[str, list[dict]]:
+    """Rows per prompt id; a torn last line (an interrupted write) is ignored."""
+    done: dict[str, list[dict]] = {}
+    f = Path(out_dir) / DATASET
+    if f.exists():
+        for line in f.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            done[entry["prompt_id"]] = entry["rows"]
+    return done
+
+
+def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,
+                  max_tokens: int = 64, b0: int = 5, seed: int = 0,
+                  progress: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
+    """Label every prompt not labelled yet in `out_dir` (resumable), appending as it goes."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done = read_dataset(out_dir)
+    curve_file = out_dir / "latency.json"
+    if curve_file.exists():
+        points = {int(k): v for k, v in json.loads(curve_file.read_text()).items()}
+    else:
+        points = verification_latency(family.target, sizes=(1, 4, 8, 16, 32, 64))
+        curve_file.write_text(json.dumps(points))
+    curve = LatencyCurve(points)
+    with open(out_dir / DATASET, "a") as f:
+        for i, p in enumerate(prompts):
+            if p["id"] not in done:
+                session = Session(family, family.tree)
+                rng = np.random.default_rng([seed, i])
+                ids = family.tokenizer.encode(p["prompt"])
+                rows = label_prompt(session, ids, timing, curve, max_tokens, b0, rng)
+                f.write(json.dumps({"prompt_id": p["id"], "rows": rows}) + "\n")
+                f.flush()
+                done[p["id"]] = rows
+            if progress:
+                progress(1)
+    return done
+
+
+def train_mlp(dataset: dict[str, list[dict]], holdout: float = 0.25, epochs: int = 1000,
+              seed: int = 0) -> tuple[SchedulerMLP, dict]:
+    """Distil the labels into the MLP (MSE on standardised labels, AdamW, full batch).
+
+    Prompts, not rows, are split: a quarter is held out (reported, never trained on), and a
+    fifth of the rest validates: training keeps the parameters with the best validation gain
+    (label mass collected by the decisions), since a 17-64-32-1 net overfits a few thousand
+    noisy labels long before its training loss stops falling.
+    """
+    ids = sorted(dataset)
+    rng = np.random.default_rng(seed)
+    rng.shuffle(ids)
+    n_hold = max(1, int(round(holdout * len(ids)))) if len(ids) > 2 else 0
+    n_val = max(1, int(round(0.2 * (len(ids) - n_hold)))) if len(ids) - n_hold > 1 else 0
+    held, val, train = ids[:n_hold], ids[n_hold:n_hold + n_val], ids[n_hold + n_val:]
+
+    def arrays(names):
+        rows = [r for n in names for r in dataset[n]]
+        return (np.array([r["x"] for r in rows], np.float32).reshape(-1, len(FEATURE_NAMES)),
+                np.array([r["label"] for r in rows], np.float32))
+
+    (x_tr, y_tr), (x_va, y_va), (x_ho, y_ho) = arrays(train), arrays(val), arrays(held)
+    if len(x_tr) == 0:
+        raise ValueError("no labelled decisions to train on")
+    mlp = SchedulerMLP.init(seed)
+    std = x_tr.std(0)
+    mlp.params.update(in_mean=mx.array(x_tr.mean(0)), in_std=mx.array(np.where(std > 1e-6, std, 1.0)),
+                      out_mean=mx.array([float(y_tr.mean())]),
+                      out_std=mx.array([float(y_tr.std()) or 1.0]))
+    trainable = {k: v for k, v in mlp.params.items() if k.startswith("l")}
+    fixed = {k: v for k, v in mlp.params.items() if not k.startswith("l")}
+    x, y = mx.array(x_tr), mx.array(y_tr)
+
+    def loss_fn(p):
+        pred = mlp_forward({**fixed, **p}, x)
+        return mx.mean(((pred - y) / fixed["out_std"]) ** 2)
+
+    opt = optim.AdamW(learning_rate=3e-3, weight_decay=1e-2)
+    step = mx.value_and_grad(loss_fn)
+    best, best_gain, best_epoch = dict(trainable), -np.inf, 0
+    for epoch in range(1, epochs + 1):
+        _, grads = step(trainable)
+        opt.update(trainable, grads)
+        mx.eval(trainable, opt.state)
+        if len(x_va) and epoch % 10 == 0:
+            gain = _decision_metrics(SchedulerMLP({**fixed, **trainable}), x_va, y_va)["gain_policy"]
+            if gain > best_gain:
+                best, best_gain, best_epoch = dict(trainable), gain, epoch
+    if not len(x_va):
+        best, best_epoch = trainable, epochs
+    mlp = SchedulerMLP({**fixed, **best})
+    return mlp, {"train_rows": len(x_tr), "validation_rows": len(x_va),
+                 "heldout_rows": len(x_ho), "train_prompts": len(train),
+                 "validation_prompts": len(val), "heldout_prompts": len(held),
+                 "epochs": epochs, "best_epoch": best_epoch,
+                 "train": _decision_metrics(mlp, x_tr, y_tr),
+                 "heldout": _decision_metrics(mlp, x_ho, y_ho) if len(x_ho) else None}
+
+
+def _decision_metrics(mlp: SchedulerMLP, x: np.ndarray, y: np.ndarray) -> dict:
+    """How good the decisions are: sign accuracy, and the label mass the policy collects
+    compared with always calling, never calling (0) and the oracle (tokens/ms, summed)."""
+    pred = np.array(mlp.value(mx.array(x)))
+    call = pred > 0
+    return {"mse": float(np.mean((pred - y) ** 2)), "sign_accuracy": float(np.mean(call == (y > 0))),
+            "call_rate": float(call.mean()), "gain_policy": float(y[call].sum()),
+            "gain_always": float(y.sum()), "gain_oracle": float(y[y > 0].sum())}
+
+
+def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
+    data = Path(prompts_file).read_bytes()
+    return {"file": str(prompts_file), "sha256": hashlib.sha256(data).hexdigest(),
+            "prompt_ids": [p["id"] for p in prompts]}
+
+
+def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: Path,
+              timing: Timing, artifact_dir: Path, max_tokens: int = 64, b0: int = 5,
+              seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Label (resumably), train, and save the scheduler artifact; returns its metadata."""
+    dataset = build_dataset(family, prompts, out_dir, timing, max_tokens, b0, seed, progress)
+    dataset = {p["id"]: dataset[p["id"]] for p in prompts if p["id"] in dataset}
+    mlp, metrics = train_mlp(dataset, seed=seed)
+    tree: TreeConfig = family.tree
+    meta = {"t_tgt_ms": timing.t_tgt_ms, "t_mid_ms": timing.t_mid_ms, "b0": b0,
+            "label": "tokens/ms(call) - tokens/ms(skip), reference policy: weak drafter "
+                     "after the decision; verification ms from the measured latency curve",
+            "tree": asdict(tree), "max_tokens": max_tokens, "seed": seed,
+            "calibration_prompts": provenance(prompts_file, prompts),
+            "machine": machine_info(), "metrics": metrics}
+    mlp.save(artifact_dir, meta)
+    return meta
