@@ -28,3 +28,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         kw = dict(kw)
         out[name] = make_checkpoint(root / name, kw.pop("model_type", "llama"), **kw)
     return out
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_timing_cache(tmp_path_factory):
+    """The scheduler's measured T_tgt/T_mid go to a per-run cache, not the user's home."""
+    import os
+
+    os.environ["TREEGRAFT_CACHE"] = str(tmp_path_factory.mktemp("timing-cache"))

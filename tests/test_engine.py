@@ -147,3 +147,25 @@ def test_unknown_strategy_and_missing_drafter_are_clear(family):
         generate(target_only, "x = 1", "treegraft")
     ngram = generate(target_only, "x = 1\ny = 2\n", "ngram", max_tokens=24)
     assert ngram.token_ids == generate(target_only, "x = 1\ny = 2\n", "ar", max_tokens=24).token_ids
+
+
+def test_padded_verification_gives_the_same_logits_and_cache(family):
+    """Inert padding rows change neither the real rows' logits nor what the cache keeps."""
+    from treegraft_mlx.verify import verify
+
+    ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
+    tree = DraftTree.rooted_at(ids[-1])
+    a = tree.add(0, 11, 0.0)
+    tree.add(a, 12, 0.0)
+    tree.add(0, 13, 0.0)
+    out = []
+    for rows in (0, 8):
+        session = Session(family)
+        session.prefill(ids[:-1], SamplerSettings(), np.random.default_rng(0))
+        logits = verify(family.target, session.cache, tree, rows)
+        session.cache.keep([0, 1, 2])
+        nxt = family.target(mx.array([[7]]), cache=session.cache)[0, -1]
+        out.append((logits, nxt))
+    assert out[1][0].shape == (4, family.target.args.vocab_size)
+    assert mx.abs(out[0][0] - out[1][0]).max().item() < 1e-4
+    assert mx.abs(out[0][1] - out[1][1]).max().item() < 1e-4

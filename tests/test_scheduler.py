@@ -9,7 +9,7 @@ import pytest
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import timing as T
-from treegraft_mlx.bench import first_per_category, read_prompts
+from treegraft_mlx.bench import LatencyCurve, first_per_category, read_prompts
 from treegraft_mlx.scheduler import (FEATURE_NAMES, LayerState, LearnedSchedule, SchedulerMLP,
                                      features, load_artifact, mlp_forward)
 from treegraft_mlx.session import Session
@@ -140,7 +140,7 @@ def test_labelling_explores_counterfactuals_without_changing_the_output(family):
     prompt = first_per_category(read_prompts(CALIBRATION), 1)[0]["prompt"]
     ids = family.tokenizer.encode(prompt)
     session = Session(family)
-    curve = C.LatencyCurve({1: 10.0, 64: 40.0})
+    curve = LatencyCurve({1: 10.0, 64: 40.0})
     rows = C.label_prompt(session, ids, T.Timing(30.0, 5.0), curve, 24, 5,
                           np.random.default_rng(0))
     got = session.history.tokens[len(ids):]

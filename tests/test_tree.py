@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
@@ -171,3 +172,16 @@ def test_graft_rescores_reselects_shallow_and_deletes_nothing():
     best_root = set(np.argsort(-logp[4])[:3].tolist())
     assert {t.token[i] for i in t.children_of(0)} >= best_root
     assert len(frontier) <= 3 and all(t.parent[f] in (0, a, b, c) for f in frontier)
+
+
+def test_pad_map_picks_the_fastest_block_at_least_as_big():
+    from treegraft_mlx.bench import pad_map
+    from treegraft_mlx.family import TreeConfig
+
+    latency = {1: 10.0, 2: 12.0, 3: 20.0, 4: 15.0, 5: 30.0, 6: 31.0, 7: 33.0, 8: 25.0}
+    pad = pad_map(latency, 8)
+    assert pad == (1, 2, 4, 4, 8, 8, 8, 8)
+    cfg = TreeConfig(budget=8, verify_pad=pad)
+    assert [cfg.rows_for(n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
+    with pytest.raises(ValueError, match="must not shrink"):
+        TreeConfig(verify_pad=(1, 1))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .device import blas_library
 from .engine import generate
@@ -113,7 +114,12 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
               repeat: int = 1, warmup: int = 1, temp: float = 0.0, top_p: float = 1.0,
               seed: int = 0, tree: Optional[TreeConfig] = None,
               progress: Optional[Callable[[int], None]] = None) -> list[Run]:
-    """All (repeat, prompt, strategy) runs; strategies alternate order between repeats."""
+    """All (repeat, prompt, strategy) runs; strategies alternate order between repeats.
+
+    A strategy suffixed `@paper` (e.g. `treegraft@paper`) runs with the paper's default tree
+    (budget 64, top_k 10, depth 5) instead of the bundle's calibrated one, to show what the
+    calibration buys on this device.
+    """
     mlx_run = _mlx_lm_runner(family, temp, top_p)
     runs: list[Run] = []
 
@@ -127,8 +133,11 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
                     best = Run(p["id"], p["category"], s, r, len(toks), 0, 0.0, tps, toks,
                                draft_k=k)
             return best
-        res = generate(family, p["prompt"], s, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                       seed=seed, tree=tree)
+        name, shape = s.split("@", 1) if "@" in s else (s, None)
+        if shape not in (None, "paper"):
+            raise ValueError(f"unknown tree shape {shape!r} in {s!r} (only @paper)")
+        res = generate(family, p["prompt"], name, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                       seed=seed, tree=TreeConfig() if shape else tree)
         st = res.step_stats
         return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
                    res.mean_accepted, res.tokens_per_sec, res.token_ids,
@@ -230,27 +239,63 @@ def verification_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128), context: i
     return out
 
 
-def calibrate_budget(family: Family, prompts: list[dict], budgets: list[int], strategy: str,
-                     max_tokens: int, progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Measured tokens/s of `strategy` per verification budget on calibration prompts.
+class LatencyCurve:
+    """Target verification ms for n nodes, interpolated from measured points."""
 
-    Hardware-aware in the simplest honest way: the tree budget that is fastest on this machine,
-    measured end to end (verification cost and acceptance together), in one run.
+    def __init__(self, points: dict[int, float]):
+        self.n = np.array(sorted(points), dtype=np.float64)
+        self.ms = np.array([points[k] for k in sorted(points)], dtype=np.float64)
+
+    def __call__(self, n: int) -> float:
+        return float(np.interp(n, self.n, self.ms))
+
+
+def pad_map(latency: dict[int, float], limit: int) -> tuple[int, ...]:
+    """For n = 1..limit nodes: the block size m in [n, limit] with the lowest measured latency
+    (ties to the smaller block). Measured, not assumed: BLAS kernels favour some row counts."""
+    sizes = sorted(m for m in latency if m <= limit)
+    return tuple(min((m for m in sizes if m >= n), key=lambda m: (latency[m], m))
+                 for n in range(1, limit + 1))
+
+
+def calibrate_tree(family: Family, prompts: list[dict], budgets: list[int], top_ks: list[int],
+                   depths: list[int], strategy: str, max_tokens: int,
+                   progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Tokens/s of `strategy` for every (budget, top_k, depth) on calibration prompts.
+
+    In the spirit of Sequoia's hardware-aware trees: the target's verification latency is
+    measured here for every block size up to the largest budget (median of repeats), small
+    blocks are padded to a faster size where one exists (`verify_pad`), and each tree shape
+    runs on this machine; its expected speed is committed tokens / (measured drafting and
+    acceptance time + the measured latency of the blocks it verified). The latency table
+    keeps one noisy step from picking the shape; wall-clock tokens/s is reported beside it.
     """
     import dataclasses
 
-    results = {}
-    for b in budgets:
-        tree = dataclasses.replace(family.tree, budget=b)
-        tokens, seconds, steps = 0, 0.0, 0
-        for p in prompts:
-            res = generate(family, p["prompt"], strategy, max_tokens=max_tokens, tree=tree)
-            tokens += res.generation_tokens
-            seconds += res.generation_tokens / res.tokens_per_sec if res.tokens_per_sec else 0.0
-            steps += res.steps
-            if progress:
-                progress(1)
-        results[b] = {"tokens_per_sec": tokens / seconds if seconds else 0.0,
-                      "mean_accepted": tokens / steps if steps else 0.0}
-    best = max(results, key=lambda b: results[b]["tokens_per_sec"])
-    return {"strategy": strategy, "budgets": results, "best_budget": best}
+    limit = max(budgets)
+    latency = verification_latency(family.target, sizes=tuple(range(1, limit + 1)), repeats=9)
+    pad = pad_map(latency, limit)
+    results = []
+    for depth in depths:
+        for top_k in top_ks:
+            for b in budgets:
+                tree = dataclasses.replace(family.tree, budget=b, top_k=top_k, depth=depth,
+                                           verify_pad=pad)
+                tokens, seconds, steps, model_ms = 0, 0.0, 0, 0.0
+                for p in prompts:
+                    res = generate(family, p["prompt"], strategy, max_tokens=max_tokens, tree=tree)
+                    tokens += res.generation_tokens
+                    seconds += res.generation_tokens / res.tokens_per_sec if res.tokens_per_sec else 0.0
+                    steps += res.steps
+                    model_ms += sum(1000 * (s.t_draft + s.t_accept)
+                                    + latency[tree.rows_for(s.nodes_verified)]
+                                    for s in res.step_stats)
+                    if progress:
+                        progress(1)
+                results.append({"budget": b, "top_k": top_k, "depth": depth,
+                                "expected_tokens_per_sec": 1000 * tokens / model_ms if model_ms else 0.0,
+                                "tokens_per_sec": tokens / seconds if seconds else 0.0,
+                                "mean_accepted": tokens / steps if steps else 0.0})
+    best = max(results, key=lambda r: r["expected_tokens_per_sec"])
+    return {"strategy": strategy, "verification_latency_ms": latency, "verify_pad": list(pad),
+            "settings": results, "best": {k: best[k] for k in ("budget", "top_k", "depth")}}

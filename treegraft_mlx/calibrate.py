@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from .bench import machine_info, verification_latency
+from .bench import LatencyCurve, machine_info, verification_latency
 from .engine import TreeBuild, commit
 from .family import Family, TreeConfig
 from .sampling import SamplerSettings
@@ -63,17 +63,6 @@ class Branches:
         return self.tokens_call / self.ms_call - self.tokens_skip / self.ms_skip
 
 
-class LatencyCurve:
-    """Target verification ms for n nodes, interpolated from measured points."""
-
-    def __init__(self, points: dict[int, float]):
-        self.n = np.array(sorted(points), dtype=np.float64)
-        self.ms = np.array([points[k] for k in sorted(points)], dtype=np.float64)
-
-    def __call__(self, n: int) -> float:
-        return float(np.interp(n, self.n, self.ms))
-
-
 def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: bool,
           curve: LatencyCurve, spent_ms: float) -> tuple[int, float]:
     """Finish the step from `build` with this layer called or skipped; (tokens, step ms)."""
@@ -84,8 +73,9 @@ def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: 
     build.expand(range(layer + 1, cfg.depth + 1), REFERENCE, drafters, cfg, history)
     tree = build.tree.subtree(prune(build.tree, cfg.budget))
     draft_ms = 1000 * (time.perf_counter() - t0)
-    acc = accept_greedy(tree, verify(session.family.target, session.cache, tree))
-    return len(acc.path), spent_ms + draft_ms + curve(len(tree))
+    rows = cfg.rows_for(len(tree))
+    acc = accept_greedy(tree, verify(session.family.target, session.cache, tree, rows))
+    return len(acc.path), spent_ms + draft_ms + curve(rows)
 
 
 def label_prompt(session: Session, ids: list[int], timing: Timing, curve: LatencyCurve,
@@ -121,7 +111,7 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
                          drafters, cfg, history)
             spent_ms += 1000 * (time.perf_counter() - t0)
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
-        logits = verify(session.family.target, session.cache, tree)
+        logits = verify(session.family.target, session.cache, tree, cfg.rows_for(len(tree)))
         acc = accept_greedy(tree, logits)
         block = commit(session, drafters, tree, logits, acc)
         generated += len(block)

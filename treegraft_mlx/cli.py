@@ -210,13 +210,16 @@ def serve(model, draft_models, strategy, host, port, max_tokens_limit, max_body_
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--budget", default=None, type=click.IntRange(1), help="Override the tree budget.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), required=True)
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write a PNG of tokens/s per strategy and category (needs matplotlib).")
 def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, warmup,
-          per_category, temp, top_p, seed, budget, json_out) -> None:
+          per_category, temp, top_p, seed, budget, json_out, plot_out) -> None:
     """Benchmark strategies side by side (one process, alternating order)."""
     import dataclasses
     from pathlib import Path
 
     from . import bench as B
+    from . import report as R
 
     names = [s.strip().replace("+", ",") for s in strategies.split(",") if s.strip()]
     if "ar" not in names:
@@ -232,8 +235,12 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
                            seed, tree, progress=bar.update)
     meta = {**B.machine_info(), "command": " ".join(sys.argv), "temp": temp, "top_p": top_p,
             "max_tokens": max_tokens, "tree": dataclasses.asdict(tree or family.tree),
-            "dtype": str(family.target.model.norm.weight.dtype)}
+            "dtype": str(family.target.model.norm.weight.dtype),
+            "ar_bound": R.ar_bound(family.target)}
     B.write_report(Path(json_out), runs, meta)
+    if plot_out:
+        R.plot(R.load_reports({"greedy" if temp == 0 else "sampled": Path(json_out)}),
+               Path(plot_out))
     summary = B.summarize(runs)
     for s, cats in summary["strategies"].items():
         a = cats["all"]
@@ -282,39 +289,46 @@ def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quan
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
               default="benchmarks/prompts/calibration.jsonl", show_default=True)
 @click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
-@click.option("--strategy", default="treegraft", show_default=True)
-@click.option("--budgets", default="4,8,12,16,24,32,64", show_default=True)
+@click.option("--strategy", default="treegraft-fixed:1", show_default=True)
+@click.option("--budgets", default="8,12,16,24,32", show_default=True)
+@click.option("--top-ks", default="3,5,10", show_default=True)
+@click.option("--depths", default="4,5", show_default=True)
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
-@click.option("--write", is_flag=True, help="Store the best budget in the bundle's treegraft.json.")
+@click.option("--write", is_flag=True, help="Store the best settings in the bundle's treegraft.json.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
-def calibrate_budget(prompts_file, model, strategy, budgets, max_tokens, write, json_out) -> None:
-    """Measure verification latency and pick the fastest tree budget on this machine."""
+def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max_tokens, write,
+                     json_out) -> None:
+    """Measure verification latency and pick the fastest tree budget, top_k and depth here."""
+    import dataclasses
     from pathlib import Path
 
     from . import bench as B
     from .family import save_tree_settings
 
+    def ints(spec: str) -> list[int]:
+        return [int(x) for x in spec.split(",") if x.strip()]
+
     family = load_family(model, ())
     prompts = B.read_prompts(Path(prompts_file))
-    sizes = [int(b) for b in budgets.split(",")]
-    latency = B.verification_latency(family.target)
-    click.echo("verification latency (ms): " +
-               ", ".join(f"n={n}: {ms:.1f}" for n, ms in latency.items()), err=True)
-    with click.progressbar(length=len(prompts) * len(sizes), label="calibrate",
-                           file=sys.stderr) as bar:
-        result = B.calibrate_budget(family, prompts, sizes, strategy, max_tokens, bar.update)
-    for b, r in result["budgets"].items():
-        click.echo(f"budget {b:4d}: {r['tokens_per_sec']:7.1f} tok/s, "
+    grid = (ints(budgets), ints(top_ks), ints(depths))
+    with click.progressbar(length=len(prompts) * len(grid[0]) * len(grid[1]) * len(grid[2]),
+                           label="calibrate", file=sys.stderr) as bar:
+        result = B.calibrate_tree(family, prompts, *grid, strategy, max_tokens, bar.update)
+    for r in result["settings"]:
+        click.echo(f"budget {r['budget']:4d} top_k {r['top_k']:3d} depth {r['depth']}: expected "
+                   f"{r['expected_tokens_per_sec']:7.1f} tok/s (wall {r['tokens_per_sec']:6.1f}), "
                    f"{r['mean_accepted']:.2f} tokens/step")
-    click.echo(f"best budget: {result['best_budget']}")
-    report = {**B.machine_info(), "verification_latency_ms": latency, **result}
+    click.echo("verification latency (ms): " + ", ".join(
+        f"n={n}: {ms:.1f}" for n, ms in result["verification_latency_ms"].items()), err=True)
+    click.echo(f"verify_pad: {result['verify_pad']}")
+    best = {**result["best"], "verify_pad": tuple(result["verify_pad"])}
+    click.echo(f"best: {result['best']}")
+    report = {**B.machine_info(), "command": " ".join(sys.argv), **result}
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1))
     if write:
-        import dataclasses
-
-        save_tree_settings(family.path, dataclasses.replace(family.tree, budget=result["best_budget"]))
-        click.echo(f"wrote budget {result['best_budget']} to {family.path / 'treegraft.json'}")
+        save_tree_settings(family.path, dataclasses.replace(family.tree, **best))
+        click.echo(f"wrote {best} to {family.path / 'treegraft.json'}")
 
 
 @main.command()
@@ -398,3 +412,36 @@ def export_coreml(model, scheduler_dir, out) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {path}")
+
+
+@main.command()
+@click.option("--greedy", type=click.Path(exists=True, dir_okay=False), required=True,
+              help="bench JSON of the greedy run.")
+@click.option("--sampled", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="bench JSON of the sampled run.")
+@click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Rewrite this README's generated results block.")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None)
+def report(greedy, sampled, readme, plot_out) -> None:
+    """Results tables (and plot) from committed bench JSON files."""
+    from pathlib import Path
+
+    from . import report as R
+
+    paths = {"greedy": Path(greedy), **({"sampled": Path(sampled)} if sampled else {})}
+    reports = R.load_reports(paths)
+    section = R.results_section(reports)
+    if readme:
+        try:
+            R.update_readme(Path(readme), section)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"updated {readme}")
+    else:
+        click.echo(section)
+    if plot_out:
+        try:
+            R.plot(reports, Path(plot_out))
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"wrote {plot_out}")

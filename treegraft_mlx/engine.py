@@ -162,7 +162,8 @@ class Decoder:
             full, build = self._build(root, self.session.history)
             tree = full.subtree(prune(full, self.session.tree.budget))
             t1 = time.perf_counter()
-            logits = verify(self.target, self.session.cache, tree)
+            logits = verify(self.target, self.session.cache, tree,
+                            self.session.tree.rows_for(len(tree)))
             mx.eval(logits)
             t2 = time.perf_counter()
             if self.settings.greedy:

@@ -25,10 +25,20 @@ class TreeConfig:
     budget: int = 64
     lookback: int = 5
     n_max: int = 5
+    # verify_pad[n - 1]: rows to verify n nodes with. Measured per device: on some BLAS a
+    # 16-row forward is faster than a 12-row one, so small trees are padded up (empty = never).
+    verify_pad: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.top_k < 1 or self.depth < 1 or self.budget < 1 or self.n_max < 1:
             raise ValueError(f"tree settings must be positive: {self}")
+        object.__setattr__(self, "verify_pad", tuple(int(m) for m in self.verify_pad))
+        if any(m < n for n, m in enumerate(self.verify_pad, start=1)):
+            raise ValueError(f"verify_pad must not shrink a block: {self.verify_pad}")
+
+    def rows_for(self, n: int) -> int:
+        """Rows the verification forward uses for n tree nodes (n itself, or padded up)."""
+        return self.verify_pad[n - 1] if n <= len(self.verify_pad) else n
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Optional, Protocol
 import mlx.core as mx
 import numpy as np
 
-from .tree import DraftTree
+from .tree import DraftTree, reselect
 
 FORMAT_VERSION = 1
 BIT_LAYERS = 5  # "layer j already called" bits for j = 1..5 (deeper layers have no bit)
@@ -71,16 +71,6 @@ def parse_layers(spec: str) -> frozenset[int]:
     return layers
 
 
-def reselect(tree: DraftTree, frontier: list[int], top_k: int, lookback: int,
-             max_depth: int) -> np.ndarray:
-    """The graft parents a combine layer would choose with the current scores (design 4.3)."""
-    depth = np.asarray(tree.depth)
-    score = np.asarray(tree.score, dtype=np.float64)
-    d_max = max(tree.depth[f] for f in frontier) if frontier else 0
-    cand = np.flatnonzero((depth >= d_max - lookback) & (depth <= d_max) & (depth < max_depth))
-    return cand[np.lexsort((cand, -score[cand]))][:top_k]
-
-
 def features(state: LayerState, t_tgt_ms: float, t_mid_ms: float) -> np.ndarray:
     """The 17 features, in FEATURE_NAMES order (float32).
 
@@ -89,31 +79,31 @@ def features(state: LayerState, t_tgt_ms: float, t_mid_ms: float) -> np.ndarray:
     depth of the frontier a reselection would pick now; the reselected set's share of nodes
     from other depths than the deepest frontier depth, its overlap with the frontier (share of
     it already on the frontier), and its mean finite score (0 if none is finite).
+    Plain Python over the tree's lists: it runs before every layer and must stay cheap.
     """
     tree, frontier = state.tree, state.frontier
-    depth = np.asarray(tree.depth)
-    f_depth = depth[frontier] if frontier else np.zeros(1)
-    has_child = np.zeros(len(tree), dtype=bool)
-    has_child[[p for p in tree.parent[1:]]] = True
-    leaves = int((~has_child).sum())
-    leaf_ratio = float(np.sum(~has_child[frontier])) / leaves if frontier and leaves else 0.0
-    chosen = reselect(tree, frontier, state.top_k, state.lookback, state.depth)
-    d_max = int(f_depth.max())
-    if chosen.size:
-        r_depth = depth[chosen]
-        debt = float(f_depth.mean() - r_depth.mean())
-        other = float(np.mean(r_depth != d_max))
-        overlap = float(np.isin(chosen, frontier).mean())
-        scores = np.asarray(tree.score)[chosen]
-        finite = scores[np.isfinite(scores)]
-        mean_score = float(finite.mean()) if finite.size else 0.0
+    depth, score = tree.depth, tree.score
+    f_depth = [depth[f] for f in frontier] or [0]
+    d_max, f_mean = max(f_depth), sum(f_depth) / len(f_depth)
+    leaves = len(tree) - len(tree.kids)
+    on_frontier = sum(1 for f in frontier if f not in tree.kids)
+    leaf_ratio = on_frontier / leaves if leaves else 0.0
+    chosen = reselect(tree, frontier, state.top_k, state.lookback, state.depth, d_max)
+    if chosen:
+        r_depth = [depth[c] for c in chosen]
+        debt = f_mean - sum(r_depth) / len(r_depth)
+        other = sum(1 for d in r_depth if d != d_max) / len(r_depth)
+        in_frontier = set(frontier)
+        overlap = sum(1 for c in chosen if c in in_frontier) / len(chosen)
+        finite = [score[c] for c in chosen if math.isfinite(score[c])]
+        mean_score = sum(finite) / len(finite) if finite else 0.0
     else:
         debt = other = overlap = mean_score = 0.0
     bits = [1.0 if j in state.called else 0.0 for j in range(1, BIT_LAYERS + 1)]
     return np.array([
         math.log1p(state.context), t_tgt_ms, t_mid_ms, math.log(t_tgt_ms / t_mid_ms),
         state.layer / state.depth, len(state.called) / state.depth, *bits,
-        float(f_depth.mean()), leaf_ratio, debt, other, overlap, mean_score,
+        f_mean, leaf_ratio, debt, other, overlap, mean_score,
     ], dtype=np.float32)
 
 

@@ -31,8 +31,9 @@ class Session:
         self.family = family
         self.tree = tree or family.tree
         args = family.target.args
-        # Room past the context for one pending tree (its rows are never committed beyond it).
-        self.cache = family.target.make_cache(max_len=args.max_position_embeddings + self.tree.budget)
+        # Room past the context for one pending (padded) tree; its rows are never committed there.
+        block = max([self.tree.budget, *self.tree.verify_pad])
+        self.cache = family.target.make_cache(max_len=args.max_position_embeddings + block)
         self.history: Optional[History] = None
         t = self.tree
         self.ngram = NgramDrafter(t.n_max, t.top_k, t.depth)

@@ -7,6 +7,7 @@ pruning to the verification budget returns a new, smaller tree.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -96,6 +97,17 @@ class DraftTree:
             if p >= 0:
                 t._link(new_index[p], len(t) - 1)
         return t
+
+
+def reselect(tree: DraftTree, frontier: list[int], top_k: int, lookback: int, max_depth: int,
+             d_max: int) -> list[int]:
+    """Graft parents a combine layer picks (design 4.3): the top_k nodes by score (ties: lower
+    index) among all nodes within `lookback` of the deepest frontier depth `d_max` that may
+    still get children. Plain Python: trees here are small and this runs before every layer."""
+    depth, score = tree.depth, tree.score
+    lo = d_max - lookback
+    cand = [i for i in range(len(depth)) if lo <= depth[i] <= d_max and depth[i] < max_depth]
+    return heapq.nsmallest(top_k, cand, key=lambda i: (-score[i], i))
 
 
 def build_cap(top_k: int, depth: int) -> int:

@@ -25,12 +25,19 @@ class Acceptance:
     bonus: int        # the target's own next token after the path: the next root
 
 
-def verify(target, cache: KVCache, tree: DraftTree) -> mx.array:
-    """Target logits (N, V) for every node of the tree; the tree stays pending in the cache."""
-    ctx = cache.offset
-    logits = target(mx.array([tree.token]), cache=cache, positions=positions(tree.parent, ctx),
-                    mask=attention_mask(tree.parent, ctx))
-    return logits[0]
+def verify(target, cache: KVCache, tree: DraftTree, rows: int = 0) -> mx.array:
+    """Target logits (N, V) for every node of the tree; the tree stays pending in the cache.
+
+    `rows` > N pads the block with inert rows (the root's token at the root's position,
+    seeing only the context and itself) when a bigger block is faster on this device; their
+    logits are dropped and `cache.keep` never keeps them.
+    """
+    ctx, n = cache.offset, len(tree)
+    pad = max(0, rows - n)
+    tokens, parent = tree.token + [tree.token[0]] * pad, tree.parent + [-1] * pad
+    logits = target(mx.array([tokens]), cache=cache, positions=positions(parent, ctx),
+                    mask=attention_mask(parent, ctx))
+    return logits[0, :n] if pad else logits[0]
 
 
 def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..history import History
-from ..tree import DraftTree, ancestor_mask, build_cap
+from ..tree import DraftTree, ancestor_mask, build_cap, reselect
 
 
 @dataclass
@@ -116,11 +116,8 @@ class ModelDrafter:
         tree.score = [float(s) for s in score]
 
         # Reselect graft parents among all nodes within the lookback of the frontier.
-        depth = np.asarray(tree.depth)
         d_max = max(tree.depth[f] for f in frontier) if frontier else layer - 1
-        cand = np.flatnonzero((depth >= d_max - self.lookback) & (depth <= d_max) &
-                              (depth < self.depth))
-        chosen = cand[np.lexsort((cand, -score[cand]))][:self.top_k]
+        chosen = reselect(tree, frontier, self.top_k, self.lookback, self.depth, d_max)
 
         # Graft: S's top-k children under each chosen parent; existing children are updated.
         cap = build_cap(self.top_k, self.depth)

@@ -1,0 +1,55 @@
+"""Results: the README block and the plot are generated from bench JSON, numbers intact."""
+
+import pytest
+
+from treegraft_mlx import fixture_path, load
+from treegraft_mlx import report as R
+from treegraft_mlx.bench import Run, summarize
+
+
+def fake_report(ar_tps: float = 40.0, ngram_tps: float = 50.0) -> dict:
+    runs = []
+    for cat, toks in (("copy", [1, 2, 3, 4, 1, 2, 3, 4]), ("function_completion", [5, 6, 7, 8])):
+        runs.append(Run(f"{cat}-0", cat, "ar", 0, 100, 100, 1.0, ar_tps, toks))
+        runs.append(Run(f"{cat}-0", cat, "ngram", 0, 100, 40, 2.5, ngram_tps, toks))
+    meta = {"date": "2026-11-29", "platform": "Linux", "device": "cpu", "blas": "openblas",
+            "dtype": "mlx.core.float32", "mlx": "0.32", "tree": {"budget": 16}, "temp": 0.0,
+            "top_p": 1.0, "command": "treegraft bench --prompts p.jsonl",
+            "ar_bound": {"bandwidth_gbs": 8.0, "weight_bytes": 80_000_000, "tokens_per_sec": 100.0}}
+    return {"meta": meta, "summary": summarize(runs), "runs": []}
+
+
+def test_results_section_carries_the_measured_numbers():
+    text = R.results_section({"greedy": fake_report(40.0, 50.0)})
+    assert "| tokens/s | 40.0 | 50.0 |" in text
+    assert "| vs ar | 1.00x | 1.25x |" in text
+    assert "| tokens per target forward | 1.00 | 2.50 |" in text
+    assert "copy (ar loop share 20%)" in text             # 1 of 5 four-grams repeats
+    assert "100.0 tokens/s; measured ar 40.0" in text
+    assert "treegraft bench --prompts p.jsonl" in text and "openblas" in text
+
+
+def test_readme_block_is_replaced_and_markers_are_required(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{R.RESULTS_BEGIN}\nold numbers\n{R.RESULTS_END}\noutro\n")
+    R.update_readme(readme, "new numbers")
+    text = readme.read_text()
+    assert "old numbers" not in text and "new numbers" in text
+    assert text.startswith("intro\n") and text.endswith("outro\n")
+    readme.write_text("no markers here")
+    with pytest.raises(ValueError, match="no generated results block"):
+        R.update_readme(readme, "x")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.png"
+    R.plot({"greedy": fake_report(), "sampled": fake_report(30.0, 20.0)}, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ar_bound_is_bandwidth_over_weight_bytes():
+    target = load(fixture_path() / "target").target
+    bound = R.ar_bound(target, bandwidth_gbs=10.0)
+    assert bound["tokens_per_sec"] == pytest.approx(10e9 / bound["weight_bytes"])
+    assert 75e6 < bound["weight_bytes"] < 90e6            # 20.45M fp32 parameters
