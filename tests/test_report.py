@@ -24,7 +24,7 @@ def test_results_section_carries_the_measured_numbers():
     assert "| tokens/s | 40.0 | 50.0 |" in text
     assert "| vs ar | 1.00x | 1.25x |" in text
     assert "| tokens per target forward | 1.00 | 2.50 |" in text
-    assert "copy (ar loop share 20%)" in text             # 1 of 5 four-grams repeats
+    assert "copy (greedy loop share 20%)" in text         # 1 of 5 four-grams repeats
     assert "100.0 tokens/s; measured ar 40.0" in text
     assert "treegraft bench --prompts p.jsonl" in text and "openblas" in text
 

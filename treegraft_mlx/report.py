@@ -53,9 +53,10 @@ def _strategies(report: dict) -> list[str]:
     return list(report["summary"]["strategies"])
 
 
-def strategy_table(report: dict, regime: str) -> str:
+def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> str:
     """Markdown: one column per strategy; tokens/s, speedup over ar, tokens per forward, and
-    per category tokens/s with the target's loop share beside it."""
+    per category tokens/s with the target's greedy loop share beside it (`loops`, default:
+    this report's own ar outputs)."""
     summary = report["summary"]
     strats = _strategies(report)
     rows = [f"| {regime} | " + " | ".join(strats) + " |", "|---" * (len(strats) + 1) + "|"]
@@ -68,22 +69,27 @@ def strategy_table(report: dict, regime: str) -> str:
     rows.append("| vs ar | " + " | ".join(cell(s, "all", "speedup_vs_ar", ".2f") + "x" for s in strats) + " |")
     rows.append("| tokens per target forward | "
                 + " | ".join(cell(s, "all", "mean_accepted", ".2f") for s in strats) + " |")
-    loops = summary.get("ar_loop_share", {})
+    loops = summary.get("ar_loop_share", {}) if loops is None else loops
     for cat in sorted(c for c in loops if c != "all"):
-        rows.append(f"| {cat} (ar loop share {loops[cat]:.0%}), tok/s | "
+        rows.append(f"| {cat} (greedy loop share {loops[cat]:.0%}), tok/s | "
                     + " | ".join(cell(s, cat, "tokens_per_sec", ".1f") for s in strats) + " |")
     return "\n".join(rows)
 
 
 def results_section(reports: dict[str, dict]) -> str:
-    """The README section: provenance, the AR bound, then one table per regime."""
+    """The README section: provenance, the AR bound, then one table per regime. The loop share
+    shown is the target's greedy one (from the greedy report when there is one)."""
     parts = []
+    greedy = reports.get("greedy")
+    loops = greedy["summary"].get("ar_loop_share") if greedy else None
     for regime, report in reports.items():
         m = report["meta"]
+        command = str(m.get("command", "")).split(" ")
+        command[0] = Path(command[0]).name          # the console script, not its install path
         parts.append(f"**{regime}** ({m.get('date')}; {m.get('platform')}; {m.get('device')}; "
                      f"BLAS {m.get('blas')}; dtype {m.get('dtype')}; MLX {m.get('mlx')}; "
                      f"tree {m.get('tree')}; temp {m.get('temp')}, top-p {m.get('top_p')}):")
-        parts.append(f"```bash\n{m.get('command')}\n```")
+        parts.append(f"```bash\n{' '.join(command)}\n```")
         bound = m.get("ar_bound")
         if bound:
             ar = report["summary"]["strategies"].get("ar", {}).get("all", {})
@@ -91,7 +97,7 @@ def results_section(reports: dict[str, dict]) -> str:
                          f"{bound['weight_bytes'] / 1e6:.1f} MB of weights = "
                          f"{bound['tokens_per_sec']:.1f} tokens/s; measured ar "
                          f"{ar.get('tokens_per_sec', 0):.1f} tokens/s.")
-        parts.append(strategy_table(report, regime))
+        parts.append(strategy_table(report, regime, loops))
     return "\n\n".join(parts)
 
 
@@ -127,7 +133,7 @@ def plot(reports: dict[str, dict], out: Path) -> None:
         x = np.arange(len(cats))
         for i, s in enumerate(strats):
             ax.bar(x + i * width, [summary[s].get(c, {}).get("tokens_per_sec", 0) for c in cats],
-                   width, label=s)
+                   width, label=s, color=plt.cm.tab20(i % 20))
         bound = report["meta"].get("ar_bound")
         if bound:
             ax.axhline(bound["tokens_per_sec"], color="black", linestyle="--",
