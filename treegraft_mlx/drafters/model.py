@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..history import History
-from ..tree import DraftTree, ancestor_mask, build_cap, reselect
+from ..tree import DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
 
 
 @dataclass
@@ -81,14 +81,20 @@ class ModelDrafter:
             return step
         prefix = history.tokens[self.cache.offset:c] if done == 0 else []
         m, start = len(prefix), self.cache.offset
-        anc = ancestor_mask(tree.parent)
-        mask = np.zeros((m + n - done, c + n), dtype=bool)
-        mask[:m, :c] = np.arange(c)[None, :] <= np.arange(start, c)[:, None]
-        mask[m:, :c] = True
-        mask[m:, c:] = anc[done:n]
-        pos = np.concatenate([np.arange(start, c), c + np.asarray(tree.depth[done:n])])
+        if done == 0:
+            # [committed tokens not synced yet][the whole tree]: the compact tree mask (the
+            # fused kernel on a GPU) covers it.
+            mask, pos = attention_mask(tree.parent, start, m), positions(tree.parent, start, m)
+        else:
+            # Only the new nodes; they see the committed context and their ancestors among
+            # the tree rows already in the cache.
+            dense = np.zeros((n - done, c + n), dtype=bool)
+            dense[:, :c] = True
+            dense[:, c:] = ancestor_mask(tree.parent)[done:n]
+            mask = mx.array(dense)
+            pos = mx.array((c + np.asarray(tree.depth[done:n])).astype(np.int32))
         logits = self.model(mx.array([prefix + tree.token[done:n]]), cache=self.cache,
-                            positions=mx.array(pos.astype(np.int32)), mask=mx.array(mask),
+                            positions=pos, mask=mask,
                             logits_rows=mx.arange(m, m + n - done))[0].astype(mx.float32)
         self.cache.commit()
         self.calls += 1
