@@ -399,14 +399,13 @@ def export_coreml(model, scheduler_dir, out) -> None:
     from .coreml import export_coreml as export
 
     if scheduler_dir is None:
-        from .family import family_manifest
+        from .family import bundle_scheduler
 
         bundle = Path(model) if model else fixture_path()
-        rel = family_manifest(bundle).get("scheduler") if (bundle / "treegraft.json").exists() else None
-        if not rel:
+        scheduler_dir = bundle_scheduler(bundle)
+        if scheduler_dir is None:
             raise click.ClickException(f"{bundle} has no calibrated scheduler; run "
                                        "`treegraft calibrate --write` or pass --scheduler")
-        scheduler_dir = bundle / rel
     try:
         path = export(Path(scheduler_dir), Path(out))
     except (ValueError, FileNotFoundError) as e:

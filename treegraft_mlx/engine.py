@@ -144,22 +144,23 @@ class Decoder:
             yield [history.tokens[-2]]
             nxt = after
 
-    def _build(self, root: int, history: History) -> tuple[DraftTree, "TreeBuild"]:
+    def _build(self, root: int, history: History) -> "TreeBuild":
         cfg = self.session.tree
         tree = DraftTree.rooted_at(root)
         if self.strategy.kind == "chain":
             strong = self.drafters[-1]
             for tok in strong.draft_chain(root, self.strategy.chain_k, history):
                 tree.add(len(tree) - 1, tok, 0.0)
-            return tree, TreeBuild(tree, [], [], [strong.name] * self.strategy.chain_k)
+            return TreeBuild(tree, [], [], [strong.name] * self.strategy.chain_k)
         build = TreeBuild(tree, [0], [], [])
         build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
-        return tree, build
+        return build
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
         while True:
             t0 = time.perf_counter()
-            full, build = self._build(root, self.session.history)
+            build = self._build(root, self.session.history)
+            full = build.tree
             tree = full.subtree(prune(full, self.session.tree.budget))
             t1 = time.perf_counter()
             logits = verify(self.target, self.session.cache, tree,

@@ -92,8 +92,7 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         target_dir = root / manifest["target"]
         drafter_dirs = [(name, root / rel) for name, rel in manifest.get("drafters", {}).items()]
         settings = manifest.get("tree", {})
-        if manifest.get("scheduler"):
-            scheduler_dir = root / manifest["scheduler"]
+        scheduler_dir = bundle_scheduler(root, manifest)
     else:
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
@@ -107,6 +106,17 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
     return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir)
+
+
+def bundle_scheduler(bundle: Path, manifest: Optional[dict] = None) -> Optional[Path]:
+    """The calibrated scheduler artifact a bundle's manifest names (read unless given), or None."""
+    bundle = Path(bundle)
+    if manifest is None:
+        if not (bundle / "treegraft.json").exists():
+            return None
+        manifest = family_manifest(bundle)
+    rel = manifest.get("scheduler")
+    return bundle / rel if rel else None
 
 
 def save_tree_settings(bundle: Path, tree: TreeConfig) -> None:

@@ -88,7 +88,7 @@ def features(state: LayerState, t_tgt_ms: float, t_mid_ms: float) -> np.ndarray:
     leaves = len(tree) - len(tree.kids)
     on_frontier = sum(1 for f in frontier if f not in tree.kids)
     leaf_ratio = on_frontier / leaves if leaves else 0.0
-    chosen = reselect(tree, frontier, state.top_k, state.lookback, state.depth, d_max)
+    chosen = reselect(tree, state.top_k, state.lookback, state.depth, d_max)
     if chosen:
         r_depth = [depth[c] for c in chosen]
         debt = f_mean - sum(r_depth) / len(r_depth)

@@ -99,7 +99,7 @@ class DraftTree:
         return t
 
 
-def reselect(tree: DraftTree, frontier: list[int], top_k: int, lookback: int, max_depth: int,
+def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,
              d_max: int) -> list[int]:
     """Graft parents a combine layer picks (design 4.3): the top_k nodes by score (ties: lower
     index) among all nodes within `lookback` of the deepest frontier depth `d_max` that may

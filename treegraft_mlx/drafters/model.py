@@ -123,7 +123,7 @@ class ModelDrafter:
 
         # Reselect graft parents among all nodes within the lookback of the frontier.
         d_max = max(tree.depth[f] for f in frontier) if frontier else layer - 1
-        chosen = reselect(tree, frontier, self.top_k, self.lookback, self.depth, d_max)
+        chosen = reselect(tree, self.top_k, self.lookback, self.depth, d_max)
 
         # Graft: S's top-k children under each chosen parent; existing children are updated.
         cap = build_cap(self.top_k, self.depth)
