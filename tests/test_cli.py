@@ -19,8 +19,10 @@ def run(*args, input=None):
 
 
 def test_generate_json_schema_for_each_strategy():
+    # The learned scheduler's calls depend on this machine's measured T_tgt / T_mid, so the
+    # "drafter was called" check uses a fixed schedule; every strategy must match `ar`.
     outs = {}
-    for strategy in ("ar", "ngram", "treegraft"):
+    for strategy in ("ar", "ngram", "treegraft", "treegraft-fixed:1"):
         r = run("generate", "--prompt", "import os\n\ndef walk(path):\n", "--max-tokens", "24",
                 "--strategy", strategy, "--json")
         assert r.exit_code == 0, r.output
@@ -29,8 +31,9 @@ def test_generate_json_schema_for_each_strategy():
         assert out["generation_tokens"] == len(out["token_ids"]) <= 24
         assert out["mean_accepted"] == out["generation_tokens"] / out["steps"]
         outs[strategy] = out
-    assert outs["ar"]["token_ids"] == outs["ngram"]["token_ids"] == outs["treegraft"]["token_ids"]
-    assert outs["ar"]["drafter_calls"] == 0 and outs["treegraft"]["drafter_calls"] > 0
+    assert all(o["token_ids"] == outs["ar"]["token_ids"] for o in outs.values())
+    assert outs["ar"]["drafter_calls"] == outs["ngram"]["drafter_calls"] == 0
+    assert outs["treegraft-fixed:1"]["drafter_calls"] > 0
 
 
 def test_generate_reads_stdin_and_streams_text():

@@ -7,6 +7,7 @@ import mlx_lm
 import numpy as np
 import pytest
 
+from schedulers import threshold_mlp
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.bench import first_per_category, read_prompts
 from treegraft_mlx.drafters import ModelDrafter
@@ -14,6 +15,7 @@ from treegraft_mlx.engine import Decoder, parse_strategy
 from treegraft_mlx.session import Session
 from treegraft_mlx.generate import stream
 from treegraft_mlx.history import History
+from treegraft_mlx.scheduler import LearnedSchedule
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.tree import DraftTree
 
@@ -169,3 +171,43 @@ def test_padded_verification_gives_the_same_logits_and_cache(family):
     assert out[1][0].shape == (4, family.target.args.vocab_size)
     assert mx.abs(out[0][0] - out[1][0]).max().item() < 1e-4
     assert mx.abs(out[0][1] - out[1][1]).max().item() < 1e-4
+
+
+class OneByOne:
+    """The learned rule applied one layer at a time: one MLP evaluation per layer, reading
+    no further than the layer it decides (the reference for the batched look-ahead)."""
+
+    def __init__(self, inner: LearnedSchedule):
+        self.inner, self.evaluations = inner, 0
+
+    def first_call(self, ahead, num_drafters):
+        for i, state in enumerate(ahead):
+            self.evaluations += 1
+            if self.inner.first_call(iter([state]), num_drafters) == 0:
+                return i
+        return None
+
+
+def test_batched_decisions_build_the_same_trees_as_layer_by_layer(family):
+    """One MLP evaluation per run of skipped layers makes exactly the decisions, trees and
+    output of one evaluation per layer, with fewer evaluations."""
+    prompt = suite_prompts(1)[0]["prompt"]
+    runs = {}
+    for mode in ("batched", "one-by-one"):
+        # Calls where the frontier is deeper than 1.5 on average: skips and calls mix.
+        learned = LearnedSchedule(threshold_mlp("frontier_mean_depth", 1.5), 25.0, 5.0, 5)
+        evaluations = []
+        value = learned.mlp.value
+        learned.mlp.value = lambda x: (evaluations.append(1), value(x))[1]
+        schedule = learned if mode == "batched" else OneByOne(learned)
+        dec = Decoder(Session(family), parse_strategy("treegraft"), SamplerSettings(),
+                      np.random.default_rng(0))
+        dec.schedule = schedule
+        steps = dec.steps(family.tokenizer.encode(prompt))
+        blocks = [next(steps) for _ in range(24)]
+        runs[mode] = (blocks, [s.layers for s in dec.stats], [s.nodes_built for s in dec.stats],
+                      len(evaluations))
+    assert runs["batched"][:3] == runs["one-by-one"][:3]
+    layers = [name for step in runs["batched"][1] for name in step]
+    assert "ngram" in layers and any(n != "ngram" for n in layers)   # both choices occur
+    assert runs["batched"][3] < runs["one-by-one"][3]

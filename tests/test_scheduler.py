@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from schedulers import threshold_mlp
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import timing as T
@@ -77,19 +78,16 @@ def test_compiled_mlp_equals_numpy_and_plain_forward():
 def test_learned_schedule_follows_sign_and_stops_at_b0():
     t = small_tree()
 
-    def decisions(mlp, b0):
-        sched, called = LearnedSchedule(mlp, 40.0, 8.0, b0), []
-        for layer in range(1, 6):
-            state = LayerState(layer, 5, 50, called, t, [1, 2], 2, 5)
-            if sched.choose(state, 2):
-                called.append(layer)
-        return called
+    def first(mlp, called, b0=5, drafters=2):
+        ahead = [LayerState(layer, 5, 50, called, t, [1, 2], 2, 5) for layer in range(2, 6)]
+        return LearnedSchedule(mlp, 40.0, 8.0, b0).first_call(iter(ahead), drafters)
 
-    assert decisions(constant_mlp(1.0), 5) == [1, 2, 3, 4, 5]
-    assert decisions(constant_mlp(1.0), 2) == [1, 2]
-    assert decisions(constant_mlp(-1.0), 5) == []
-    assert LearnedSchedule(constant_mlp(1.0), 40.0, 8.0).choose(
-        LayerState(1, 5, 50, [], t, [0], 2, 5), 1) == 0     # no strong drafter: never
+    assert first(constant_mlp(1.0), [1]) == 0
+    assert first(constant_mlp(-1.0), [1]) is None
+    assert first(constant_mlp(1.0), [1], b0=1) is None
+    assert first(constant_mlp(1.0), [], drafters=1) is None      # no strong drafter: never
+    # A positive value only where layer/depth > 0.7 (layers 4 and 5): the first of them.
+    assert first(threshold_mlp("layer_over_depth", 0.7), []) == 2
 
 
 def test_artifact_round_trip_and_clear_errors(tmp_path):

@@ -191,16 +191,49 @@ class TreeBuild:
 
     def expand(self, layers: Iterable[int], schedule: Schedule, drafters: list,
                cfg: TreeConfig, history: History) -> None:
-        for layer in layers:
-            state = LayerState(layer, cfg.depth, history.committed, self.called, self.tree,
-                               self.frontier, cfg.top_k, cfg.lookback)
+        """Expand `layers` in order, the strong drafter on those the schedule picks.
+
+        The schedule sees the remaining layers as the cheap drafter alone would build them
+        (on copies); the build adopts the copy before the first picked layer, so the cheap
+        expansions the schedule looked at are not redone. t_schedule counts the decisions,
+        the copies and any look-ahead expansion that was not adopted."""
+        todo = list(layers)
+        while todo:
+            ahead: list[TreeBuild] = [self]    # ahead[i]: the build before todo[i]
+            grow_s = [0.0]                     # cheap-drafter seconds to reach ahead[i]
+
+            def states() -> Iterator[LayerState]:
+                for i, layer in enumerate(todo):
+                    if i:
+                        nxt = ahead[-1].copy()
+                        t = time.perf_counter()
+                        nxt.grow(drafters[0], todo[i - 1], history)
+                        grow_s.append(grow_s[-1] + time.perf_counter() - t)
+                        ahead.append(nxt)
+                    yield ahead[i].state(layer, cfg, history)
+
             t0 = time.perf_counter()
-            choice = schedule.choose(state, len(drafters))
-            self.t_schedule += time.perf_counter() - t0
-            if choice:
-                self.called.append(layer)
-            self.frontier = drafters[choice].expand(self.tree, self.frontier, layer, history)
-            self.used.append(drafters[choice].name)
+            k = schedule.first_call(states(), len(drafters))
+            j = len(ahead) - 1 if k is None else k
+            self.t_schedule += time.perf_counter() - t0 - grow_s[j]
+            self.tree, self.frontier = ahead[j].tree, ahead[j].frontier
+            self.called, self.used = ahead[j].called, ahead[j].used
+            if k is None:
+                for layer in todo[j:]:
+                    self.grow(drafters[0], layer, history)
+                return
+            self.called.append(todo[k])
+            self.grow(drafters[-1], todo[k], history)
+            todo = todo[k + 1:]
+
+    def state(self, layer: int, cfg: TreeConfig, history: History) -> LayerState:
+        return LayerState(layer, cfg.depth, history.committed, self.called, self.tree,
+                          self.frontier, cfg.top_k, cfg.lookback)
+
+    def grow(self, drafter, layer: int, history: History) -> None:
+        """`drafter` expands `layer` from the frontier."""
+        self.frontier = drafter.expand(self.tree, self.frontier, layer, history)
+        self.used.append(drafter.name)
 
     def copy(self) -> "TreeBuild":
         return TreeBuild(self.tree.copy(), list(self.frontier), list(self.called),

@@ -1,9 +1,15 @@
-"""Decides, before each tree layer, which drafter expands it.
+"""Decides, before each tree layer, whether the strong drafter expands it.
 
-A schedule returns the index of the drafter (0 = the cheapest) for a layer. Fixed schedules
-cover the endpoints and ablations; the learned scheduler (design section 6) computes 17
-features of the tree being built and calls the strong drafter iff a tiny MLP predicts a
-positive value and fewer than `b0` calls were made this step.
+Fixed schedules cover the endpoints and ablations; the learned scheduler (design section 6)
+computes 17 features of the tree being built and calls the strong drafter iff a tiny MLP
+predicts a positive value and fewer than `b0` calls were made this step.
+
+A schedule answers "which of the remaining layers is the next call?" from the states those
+layers would have if the cheap drafter expanded each of them. The n-gram drafter is
+deterministic, so these states are exactly the states the layers will have up to the first
+call; the learned scheduler scores them in one batched MLP evaluation. One MLX evaluation per
+run of skipped layers instead of one per layer is what keeps its overhead small on devices
+where an evaluation costs ~100-300 us whatever its size.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Iterable, Optional, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -45,8 +51,12 @@ class LayerState:
 
 
 class Schedule(Protocol):
-    def choose(self, state: LayerState, num_drafters: int) -> int:
-        """Index of the drafter that expands `state.layer`."""
+    def first_call(self, ahead: Iterable[LayerState], num_drafters: int) -> Optional[int]:
+        """Position in `ahead` of the first layer the strong drafter expands; None for none.
+
+        `ahead` yields the remaining layers' states as the cheap drafter alone would leave
+        them, lazily (each state after the first costs one cheap expansion): read only as
+        far as needed."""
         ...
 
 
@@ -56,8 +66,16 @@ class FixedSchedule:
 
     combine_layers: frozenset[int]
 
-    def choose(self, state: LayerState, num_drafters: int) -> int:
-        return num_drafters - 1 if state.layer in self.combine_layers else 0
+    def first_call(self, ahead: Iterable[LayerState], num_drafters: int) -> Optional[int]:
+        if num_drafters < 2 or not self.combine_layers:
+            return None
+        last = max(self.combine_layers)
+        for i, state in enumerate(ahead):
+            if state.layer in self.combine_layers:
+                return i
+            if state.layer > last:
+                return None
+        return None
 
 
 def parse_layers(spec: str) -> frozenset[int]:
@@ -191,8 +209,15 @@ class LearnedSchedule:
     t_mid_ms: float
     b0: int = 5
 
-    def choose(self, state: LayerState, num_drafters: int) -> int:
-        if num_drafters < 2 or len(state.called) >= self.b0:
-            return 0
-        x = mx.array(features(state, self.t_tgt_ms, self.t_mid_ms))
-        return num_drafters - 1 if self.mlp.value(x).item() > 0 else 0
+    def first_call(self, ahead: Iterable[LayerState], num_drafters: int) -> Optional[int]:
+        if num_drafters < 2:
+            return None
+        rows = []
+        for state in ahead:
+            if len(state.called) >= self.b0:   # the same on every state of a skip run
+                break
+            rows.append(features(state, self.t_tgt_ms, self.t_mid_ms))
+        if not rows:
+            return None
+        calls = np.flatnonzero(np.array(self.mlp.value(mx.array(np.stack(rows)))) > 0)
+        return int(calls[0]) if len(calls) else None
