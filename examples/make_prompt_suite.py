@@ -6,8 +6,11 @@ Four categories, at least 20 prompts each, written as JSONL {id, category, promp
   long_context         a large prefix of a module; continue it
   docstring_to_code    a task described in comments, then the start of a def
 
-Also writes calibration.jsonl beside it: 16 prompts from held-out functions the suite does not
-use, for calibrating tree budgets and the scheduler without touching the benchmark.
+Also writes calibration.jsonl beside it, for calibrating tree budgets and the scheduler
+without touching the benchmark: 16 prompts from held-out functions the suite does not use, then
+6 long windows from the middle of held-out modules (past any suite prefix), holding no
+function a suite prompt uses (the scheduler sees the context length, so it must be calibrated
+on long contexts too).
 
 The held-out modules are those listed in the fixture family's split.json, so no prompt was
 seen in training. Deterministic: same interpreter, same suite.
@@ -28,6 +31,7 @@ from pathlib import Path
 SPLIT = Path(__file__).resolve().parents[1] / "treegraft_mlx/fixtures/tg-tiny/split.json"
 PER_CATEGORY = 24
 CALIBRATION_SIZE = 16
+CALIBRATION_LONG = 6
 LONG_CONTEXT_CHARS = 2400  # ~700 tokens: prompt + 256 new tokens stay inside the trained 1024
 
 
@@ -49,7 +53,7 @@ def functions_with_docstrings(source: str):
 
 def build(modules: list[str]) -> list[dict]:
     rng = random.Random(0)
-    funcs, prefixes = [], []
+    funcs, prefixes, windows = [], [], []
     for module in modules:
         try:
             source = module_path(module).read_text(encoding="utf-8")
@@ -60,6 +64,10 @@ def build(modules: list[str]) -> list[dict]:
         if len(source) > LONG_CONTEXT_CHARS * 1.5 and not module.startswith("encodings."):
             cut = source.rfind("\n", 0, LONG_CONTEXT_CHARS) + 1
             prefixes.append((module, source[:cut]))
+            start = source.find("\n", len(source) // 2) + 1          # a window mid-module
+            end = source.rfind("\n", start, start + LONG_CONTEXT_CHARS) + 1
+            if start >= 2 * LONG_CONTEXT_CHARS and end - start > LONG_CONTEXT_CHARS // 2:
+                windows.append((module, source[start:end]))
         for node, lines, first in found:
             funcs.append((module, node, lines, first))
     rng.shuffle(funcs)
@@ -114,6 +122,15 @@ def build(modules: list[str]) -> list[dict]:
                                 "prompt": body + "\n\n# The same function, rewritten:\n"
                                 + body.splitlines(keepends=True)[0],
                                 "source": f"{module}:{node.name}"})
+    # Long contexts: windows from the middle of modules (well past any long_context prefix and
+    # its continuation) that hold no function a suite prompt uses.
+    suite_defs = [p["source"].split(":") for p in prompts if ":" in p["source"]]
+    rng.shuffle(windows)
+    unused = [(module, text) for module, text in windows
+              if not any(m == module and f"def {name}(" in text for m, name in suite_defs)]
+    for module, prefix in unused[:CALIBRATION_LONG]:
+        calibration.append({"id": f"calibration-{len(calibration):03d}", "category": "calibration",
+                            "prompt": prefix, "source": module})
     return prompts, calibration
 
 

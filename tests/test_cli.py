@@ -120,6 +120,8 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     assert r.exit_code == 0, r.output
     meta = json.loads((bundle / "scheduler" / "scheduler.json").read_text())
     assert meta["b0"] == 2 and meta["calibration_prompts"]["prompt_ids"] == [x["id"] for x in rows]
+    offset = meta["value_offset"]
+    assert offset["offset"] in [m["offset"] for m in offset["measured"]] and len(offset["measured"]) >= 2
     assert json.loads((bundle / "treegraft.json").read_text())["scheduler"] == "scheduler"
     r = run("generate", "--model", str(bundle), "--prompt", "def f(x):\n", "--max-tokens", "12",
             "--json")

@@ -201,8 +201,7 @@ def test_batched_decisions_build_the_same_trees_as_layer_by_layer(family):
         learned.mlp.value = lambda x: (evaluations.append(1), value(x))[1]
         schedule = learned if mode == "batched" else OneByOne(learned)
         dec = Decoder(Session(family), parse_strategy("treegraft"), SamplerSettings(),
-                      np.random.default_rng(0))
-        dec.schedule = schedule
+                      np.random.default_rng(0), schedule)
         steps = dec.steps(family.tokenizer.encode(prompt))
         blocks = [next(steps) for _ in range(24)]
         runs[mode] = (blocks, [s.layers for s in dec.stats], [s.nodes_built for s in dec.stats],

@@ -184,3 +184,25 @@ def test_timing_is_measured_once_per_family_and_device(family, tmp_path, monkeyp
     cache.write_text("{not json")
     assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
     assert len(measured) == 2
+
+
+def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):
+    """Offsets: 0, dataset call-rate quantiles, and 'never'; a shifted MLP calls iff the value
+    exceeds the offset; the tuner measures every candidate and keeps the fastest."""
+    mlp = threshold_mlp("frontier_mean_depth", 1.5)
+    x = np.zeros((100, 17), np.float32)
+    x[:, FEATURE_NAMES.index("frontier_mean_depth")] = np.linspace(0.0, 4.0, 100)
+    offsets = C.candidate_offsets(mlp, x)
+    assert 0.0 in offsets and offsets == sorted(offsets)
+    values = np.array(mlp.value(mx.array(x)))
+    for o in offsets:
+        np.testing.assert_allclose(np.array(C.shifted(mlp, o).value(mx.array(x))), values - o,
+                                   atol=1e-5)
+    assert not (np.array(C.shifted(mlp, offsets[-1]).value(mx.array(x))) > 0).any()
+
+    prompts = read_prompts(CALIBRATION)[:1]
+    best, table = C.tune_offset(family, prompts, mlp, T.Timing(30.0, 5.0), 5,
+                                [0.0, offsets[-1]], max_tokens=12, repeats=2)
+    by_offset = {row["offset"]: row for row in table}
+    assert by_offset[offsets[-1]]["drafter_calls"] == 0 < by_offset[0.0]["drafter_calls"]
+    assert best == max(table, key=lambda r: r["tokens_per_sec"])["offset"]

@@ -18,6 +18,14 @@ itself then continues with an exploring behaviour policy (strong drafter with pr
 
 The dataset is written prompt by prompt (one JSON line each), so an interrupted run resumes
 where it stopped. Labels are greedy-decoding labels.
+
+One-step counterfactual labels miss what a whole generation pays (the strong drafter catching
+up on tokens committed while it was skipped, several calls in one step compounding), so the
+zero point of the distilled value is corrected end to end: the scheduler runs on the
+calibration prompts with the value shifted by a few candidate offsets (chosen as the
+dataset's call-rate quantiles, plus 0 and "never"), tokens/s is measured in alternating order,
+and the fastest offset is folded into the de-standardisation (`out_mean`), so the runtime rule
+stays "call iff value > 0".
 """
 
 from __future__ import annotations
@@ -34,11 +42,11 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .bench import LatencyCurve, machine_info, verification_latency
-from .engine import TreeBuild, commit
+from .engine import TreeBuild, commit, generate
 from .family import Family, TreeConfig
 from .sampling import SamplerSettings
-from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, SchedulerMLP, features,
-                        mlp_forward)
+from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedule,
+                        SchedulerMLP, features, mlp_forward)
 from .session import Session
 from .timing import Timing
 from .tree import DraftTree, prune
@@ -47,6 +55,7 @@ from .verify import accept_greedy, verify
 REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
 EXPLORE_CALL_PROB = 0.5
 DATASET = "dataset.jsonl"
+OFFSET_CALL_RATES = (0.02, 0.05, 0.1, 0.2)   # candidate offsets: these call-rate quantiles
 
 
 @dataclass
@@ -233,6 +242,50 @@ def _decision_metrics(mlp: SchedulerMLP, x: np.ndarray, y: np.ndarray) -> dict:
             "gain_always": float(y.sum()), "gain_oracle": float(y[y > 0].sum())}
 
 
+def shifted(mlp: SchedulerMLP, offset: float) -> SchedulerMLP:
+    """The MLP whose value is `offset` lower (calls iff the original value > offset)."""
+    return SchedulerMLP({**mlp.params, "out_mean": mlp.params["out_mean"] - offset})
+
+
+def calibration_units(prompts: list[dict], repeats: int = 2) -> int:
+    """Progress units of a calibration run: prompts to label, then offsets x repeats."""
+    return len(prompts) + (len(OFFSET_CALL_RATES) + 2) * repeats
+
+
+def candidate_offsets(mlp: SchedulerMLP, x: np.ndarray) -> list[float]:
+    """0, the offsets at which the policy would call on OFFSET_CALL_RATES of the dataset's
+    decisions, and one above every value (never call)."""
+    v = np.array(mlp.value(mx.array(x)))
+    offsets = {0.0, float(v.max()) + 1e-3}
+    offsets.update(float(np.quantile(v, 1.0 - q)) for q in OFFSET_CALL_RATES)
+    return sorted(offsets)
+
+
+def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: Timing,
+                b0: int, offsets: list[float], max_tokens: int, repeats: int = 2,
+                progress: Optional[Callable[[int], None]] = None) -> tuple[float, list[dict]]:
+    """Greedy tokens/s of the scheduler at each offset on `prompts` (order alternating across
+    repeats); returns the fastest offset and the measurements."""
+    tokens = {o: 0 for o in offsets}
+    seconds = {o: 0.0 for o in offsets}
+    calls = {o: 0 for o in offsets}
+    for rep in range(repeats):
+        for o in (offsets if rep % 2 == 0 else offsets[::-1]):
+            schedule = LearnedSchedule(shifted(mlp, o), timing.t_tgt_ms, timing.t_mid_ms, b0)
+            for p in prompts:
+                r = generate(family, p["prompt"], "treegraft", max_tokens=max_tokens,
+                             schedule=schedule)
+                tokens[o] += r.generation_tokens
+                seconds[o] += r.generation_tokens / r.tokens_per_sec if r.tokens_per_sec else 0.0
+                calls[o] += r.drafter_calls
+            if progress:
+                progress(1)
+    table = [{"offset": o, "tokens_per_sec": tokens[o] / seconds[o] if seconds[o] else 0.0,
+              "drafter_calls": calls[o]} for o in offsets]
+    best = max(table, key=lambda row: row["tokens_per_sec"])
+    return best["offset"], table
+
+
 def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
     data = Path(prompts_file).read_bytes()
     return {"file": str(prompts_file), "sha256": hashlib.sha256(data).hexdigest(),
@@ -242,14 +295,24 @@ def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
 def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: Path,
               timing: Timing, artifact_dir: Path, max_tokens: int = 64, b0: int = 5,
               seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Label (resumably), train, and save the scheduler artifact; returns its metadata."""
+    """Label (resumably), train, correct the value's zero point end to end, and save the
+    scheduler artifact; returns its metadata. `progress` advances once per prompt labelled
+    and once per offset measured (calibration_units in all)."""
     dataset = build_dataset(family, prompts, out_dir, timing, max_tokens, b0, seed, progress)
     dataset = {p["id"]: dataset[p["id"]] for p in prompts if p["id"] in dataset}
     mlp, metrics = train_mlp(dataset, seed=seed)
+    x = np.array([r["x"] for rows in dataset.values() for r in rows], np.float32)
+    offsets = candidate_offsets(mlp, x)
+    offset, table = tune_offset(family, prompts, mlp, timing, b0, offsets, max_tokens,
+                                progress=progress)
+    mlp = shifted(mlp, offset)
+    metrics["call_rate_after_offset"] = float((np.array(mlp.value(mx.array(x))) > 0).mean())
     tree: TreeConfig = family.tree
     meta = {"t_tgt_ms": timing.t_tgt_ms, "t_mid_ms": timing.t_mid_ms, "b0": b0,
             "label": "tokens/ms(call) - tokens/ms(skip), reference policy: weak drafter "
                      "after the decision; verification ms from the measured latency curve",
+            "value_offset": {"offset": offset, "folded_into": "out_mean",
+                             "measured": table, "repeats": 2},
             "tree": asdict(tree), "max_tokens": max_tokens, "seed": seed,
             "calibration_prompts": provenance(prompts_file, prompts),
             "machine": machine_info(), "metrics": metrics}

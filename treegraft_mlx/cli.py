@@ -348,7 +348,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> Non
     from pathlib import Path
 
     from . import bench as B
-    from .calibrate import calibrate as run
+    from .calibrate import calibrate as run, calibration_units
     from .family import update_manifest
     from .timing import cached_timing
 
@@ -360,7 +360,8 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> Non
     click.echo(f"T_tgt {timing.t_tgt_ms:.1f} ms, T_mid {timing.t_mid_ms:.1f} ms", err=True)
     work = Path(work_dir)
     artifact = work / "scheduler"
-    with click.progressbar(length=len(prompts), label="calibrate", file=sys.stderr) as bar:
+    with click.progressbar(length=calibration_units(prompts), label="calibrate",
+                           file=sys.stderr) as bar:
         meta = run(family, Path(prompts_file), prompts, work, timing, artifact, max_tokens, b0,
                    seed, bar.update)
     m = meta["metrics"]
@@ -371,6 +372,11 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> Non
                        f"{s['sign_accuracy']:.2f}, call rate {s['call_rate']:.2f}, gain "
                        f"{s['gain_policy']:.3f} (always {s['gain_always']:.3f}, oracle "
                        f"{s['gain_oracle']:.3f}) tokens/ms")
+    for row in meta["value_offset"]["measured"]:
+        click.echo(f"offset {row['offset']:+.4f}: {row['tokens_per_sec']:.1f} tok/s, "
+                   f"{row['drafter_calls']} strong-drafter calls")
+    click.echo(f"value offset {meta['value_offset']['offset']:+.4f} (call rate on the dataset "
+               f"{m['call_rate_after_offset']:.2f})")
     click.echo(f"artifact: {artifact}")
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():

@@ -92,7 +92,7 @@ class Decoder:
     """Runs one generation of a strategy on a session; records StepStats per step."""
 
     def __init__(self, session: Session, strategy: Strategy, settings: SamplerSettings,
-                 rng: np.random.Generator):
+                 rng: np.random.Generator, schedule: Optional[Schedule] = None):
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.target = session.family.target
         self.drafters: list = [session.ngram]
@@ -102,7 +102,9 @@ class Decoder:
             self.drafters.append(session.strong)
         self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
         family = session.family
-        if strategy.learned and family.scheduler() is not None:
+        if schedule is not None:
+            self.schedule = schedule
+        elif strategy.learned and family.scheduler() is not None:
             mlp, meta = family.scheduler()
             timing = cached_timing(family, session.tree)
             self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
@@ -277,13 +279,14 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
                     max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0,
                     top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
                     stop: Sequence[str] = (), tree: Optional[TreeConfig] = None,
-                    session: Optional[Session] = None,
+                    session: Optional[Session] = None, schedule: Optional[Schedule] = None,
                     decoder_out: Optional[list] = None) -> Iterator[Response]:
     """Stream a generation with any strategy; output is exactly the target's.
 
     `prompt` is a raw string (no chat template) or token ids. `session` keeps the caches
-    between calls (chat turns reuse the shared prefix). `decoder_out`, if given, receives the
-    decoder so callers can read per-step statistics.
+    between calls (chat turns reuse the shared prefix). `schedule` replaces the strategy's
+    layer schedule (tree strategies). `decoder_out`, if given, receives the decoder so callers
+    can read per-step statistics.
     """
     device.warn_if_slow_blas()
     settings = SamplerSettings(temp, top_p, top_k, min_p)
@@ -293,7 +296,7 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     context = family.target.args.max_position_embeddings
     # Drafts are verified past the last token: leave room for one full tree path.
     max_tokens = check_context(len(ids), max_tokens, context - session.tree.depth - 1)
-    decoder = Decoder(session, strat, settings, np.random.default_rng(seed))
+    decoder = Decoder(session, strat, settings, np.random.default_rng(seed), schedule)
     if decoder_out is not None:
         decoder_out.append(decoder)
     t0 = time.perf_counter()
