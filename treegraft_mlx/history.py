@@ -19,6 +19,9 @@ class History:
         self.tokens: list[int] = list(tokens)
         self.top_ids = np.full((capacity, TOP_LOGPROBS), -1, dtype=np.int64)
         self.top_lp = np.full((capacity, TOP_LOGPROBS), -np.inf, dtype=np.float32)
+        # position -> ({token: log-prob}, score of any other token): the n-gram drafter asks
+        # thousands of times per generation; a dict lookup beats a numpy search per call.
+        self._rows: dict[int, tuple[dict[int, float], float]] = {}
 
     @property
     def committed(self) -> int:
@@ -40,16 +43,19 @@ class History:
             self.top_lp = np.concatenate([self.top_lp, np.full((grow, k), -np.inf, np.float32)])
         self.top_ids[start:end] = np.take_along_axis(ids, order, -1)
         self.top_lp[start:end] = np.take_along_axis(logprobs, order, -1)
+        for p in range(start, end):
+            self._rows.pop(p, None)
 
     def logprob(self, position: int, token: int) -> float:
         """Target log-prob of `token` following `position` (0.0 where nothing was recorded)."""
-        ids = self.top_ids[position]
-        if ids[0] < 0:
-            return 0.0
-        hit = np.flatnonzero(ids == token)
-        if hit.size:
-            return float(self.top_lp[position, hit[0]])
-        return float(self.top_lp[position, -1]) - OUTSIDE_TOP_PENALTY
+        row = self._rows.get(position)
+        if row is None:
+            ids = self.top_ids[position]
+            if ids[0] < 0:
+                return 0.0
+            lp = self.top_lp[position].tolist()
+            row = self._rows[position] = (dict(zip(ids.tolist(), lp)), lp[-1] - OUTSIDE_TOP_PENALTY)
+        return row[0].get(token, row[1])
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)

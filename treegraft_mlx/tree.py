@@ -7,7 +7,6 @@ pruning to the verification budget returns a new, smaller tree.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -104,10 +103,11 @@ def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,
     """Graft parents a combine layer picks (design 4.3): the top_k nodes by score (ties: lower
     index) among all nodes within `lookback` of the deepest frontier depth `d_max` that may
     still get children. Plain Python: trees here are small and this runs before every layer."""
-    depth, score = tree.depth, tree.score
-    lo = d_max - lookback
-    cand = [i for i in range(len(depth)) if lo <= depth[i] <= d_max and depth[i] < max_depth]
-    return heapq.nsmallest(top_k, cand, key=lambda i: (-score[i], i))
+    depth = tree.depth
+    lo, hi = d_max - lookback, min(d_max, max_depth - 1)
+    cand = [i for i, d in enumerate(depth) if lo <= d <= hi]
+    # A stable sort on score alone keeps ties in index order.
+    return sorted(cand, key=tree.score.__getitem__, reverse=True)[:top_k]
 
 
 def build_cap(top_k: int, depth: int) -> int:

@@ -7,6 +7,7 @@ end at it; nothing is rebuilt per step.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Iterator
 
 from ..history import History
 from ..tree import NEG_INF, DraftTree, build_cap
@@ -34,9 +35,9 @@ class NgramIndex:
                 self.most_frequent = t
         self.length = len(tokens)
 
-    def occurrences(self, gram: tuple[int, ...]) -> list[int]:
-        """End positions of `gram`, most recent first."""
-        return self.ends.get(gram, [])[::-1]
+    def occurrences(self, gram: tuple[int, ...]) -> Iterator[int]:
+        """End positions of `gram`, most recent first (no copy: callers stop early)."""
+        return reversed(self.ends.get(gram, ()))
 
 
 class NgramDrafter:
