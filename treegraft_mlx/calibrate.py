@@ -56,6 +56,7 @@ REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter bu
 EXPLORE_CALL_PROB = 0.5
 DATASET = "dataset.jsonl"
 OFFSET_CALL_RATES = (0.02, 0.05, 0.1, 0.2)   # candidate offsets: these call-rate quantiles
+OFFSET_REPEATS = 2                           # measurements per offset, order alternating
 
 
 @dataclass
@@ -247,7 +248,7 @@ def shifted(mlp: SchedulerMLP, offset: float) -> SchedulerMLP:
     return SchedulerMLP({**mlp.params, "out_mean": mlp.params["out_mean"] - offset})
 
 
-def calibration_units(prompts: list[dict], repeats: int = 2) -> int:
+def calibration_units(prompts: list[dict], repeats: int = OFFSET_REPEATS) -> int:
     """Progress units of a calibration run: prompts to label, then offsets x repeats."""
     return len(prompts) + (len(OFFSET_CALL_RATES) + 2) * repeats
 
@@ -262,7 +263,7 @@ def candidate_offsets(mlp: SchedulerMLP, x: np.ndarray) -> list[float]:
 
 
 def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: Timing,
-                b0: int, offsets: list[float], max_tokens: int, repeats: int = 2,
+                b0: int, offsets: list[float], max_tokens: int, repeats: int = OFFSET_REPEATS,
                 progress: Optional[Callable[[int], None]] = None) -> tuple[float, list[dict]]:
     """Greedy tokens/s of the scheduler at each offset on `prompts` (order alternating across
     repeats); returns the fastest offset and the measurements."""
@@ -312,7 +313,7 @@ def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: 
             "label": "tokens/ms(call) - tokens/ms(skip), reference policy: weak drafter "
                      "after the decision; verification ms from the measured latency curve",
             "value_offset": {"offset": offset, "folded_into": "out_mean",
-                             "measured": table, "repeats": 2},
+                             "measured": table, "repeats": OFFSET_REPEATS},
             "tree": asdict(tree), "max_tokens": max_tokens, "seed": seed,
             "calibration_prompts": provenance(prompts_file, prompts),
             "machine": machine_info(), "metrics": metrics}
