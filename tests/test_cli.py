@@ -6,7 +6,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from checkpoints import make_checkpoint, write_tokenizer
-from treegraft_mlx import fixture_path
+from treegraft_mlx import calibrate as C
+from treegraft_mlx import fixture_path, load
+from treegraft_mlx.engine import stream_generate
 from treegraft_mlx.cli import main
 
 SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
@@ -96,6 +98,7 @@ def linked_bundle(tmp_path: Path) -> Path:
         (dst / "drafters" / d.name).symlink_to(d)
     manifest = json.loads((src / "treegraft.json").read_text())
     manifest.pop("scheduler", None)
+    manifest.pop("scheduler_sampled", None)
     (dst / "treegraft.json").write_text(json.dumps(manifest))
     return dst
 
@@ -119,7 +122,10 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
             str(tmp_path / "work"), "--max-tokens", "8", "--b0", "2", "--write")
     assert r.exit_code == 0, r.output
     meta = json.loads((bundle / "scheduler" / "scheduler.json").read_text())
-    assert meta["b0"] == 2 and meta["calibration_prompts"]["prompt_ids"] == [x["id"] for x in rows]
+    assert meta["calibration_prompts"]["prompt_ids"] == [x["id"] for x in rows]
+    budget = meta["budget"]
+    assert budget["most"] == 2 and meta["b0"] == C.choose_b0(budget["by_calls"], 2)
+    assert budget["decision_ms"] > 0 and len(budget["by_calls"]) == 2
     offset = meta["value_offset"]
     assert offset["offset"] in [m["offset"] for m in offset["measured"]] and len(offset["measured"]) >= 2
     assert json.loads((bundle / "treegraft.json").read_text())["scheduler"] == "scheduler"
@@ -133,6 +139,29 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     r = run("export-coreml", "--model", str(bundle), "--out", str(tmp_path / "s.mlpackage"))
     assert r.exit_code == 0, r.output
     assert (tmp_path / "s.mlpackage").is_dir()
+    r = run("export-coreml", "--model", str(bundle), "--sampled", "--out",
+            str(tmp_path / "s2.mlpackage"))
+    assert r.exit_code == 1 and "no sampling-calibrated scheduler" in r.output
+
+    # Sampling gets its own artifact (labels: expected committed tokens under sampling).
+    r = run("calibrate", "--model", str(bundle), "--prompts", str(prompts), "--work-dir",
+            str(tmp_path / "work-sampled"), "--max-tokens", "8", "--b0", "2", "--temp", "0.7",
+            "--top-p", "0.95", "--write")
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((bundle / "treegraft.json").read_text())
+    assert manifest["scheduler"] == "scheduler" and manifest["scheduler_sampled"] == "scheduler-sampled"
+    sampled_meta = json.loads((bundle / "scheduler-sampled" / "scheduler.json").read_text())
+    assert sampled_meta["sampling"]["temp"] == 0.7 and meta["sampling"]["temp"] == 0.0
+    family = load(bundle)
+    for temp, artifact in ((0.0, "scheduler"), (0.7, "scheduler-sampled")):
+        holder = []
+        list(stream_generate(family, "def f(x):\n", max_tokens=4, temp=temp, seed=0,
+                             decoder_out=holder))
+        assert holder[0].schedule.mlp is family.scheduler(temp > 0)[0]
+        assert family.scheduler(temp > 0)[1]["sampling"]["temp"] == temp
+    r = run("export-coreml", "--model", str(bundle), "--sampled", "--out",
+            str(tmp_path / "s2.mlpackage"))
+    assert r.exit_code == 0, r.output
     r = run("export-coreml", "--model", str(linked_bundle(tmp_path / "plain")), "--out",
             str(tmp_path / "t.mlpackage"))
     assert r.exit_code == 1 and "no calibrated scheduler" in r.output

@@ -11,7 +11,7 @@ import pytest
 
 from treegraft_mlx.sampling import SamplerSettings, draw, target_probs
 from treegraft_mlx.tree import DraftTree
-from treegraft_mlx.verify import Acceptance, accept_sample
+from treegraft_mlx.verify import Acceptance, accept_greedy, accept_sample, expected_path_length
 
 # Chi-square critical values at alpha = 0.001, by degrees of freedom.
 CHI2_CRIT_001 = {3: 16.27, 5: 20.52, 7: 24.32, 8: 26.12, 11: 31.26, 15: 37.70}
@@ -138,3 +138,20 @@ def test_end_to_end_sampling_matches_target_distribution(checkpoints, strategy):
     probs = np.array([exact[k] for k in keys])
     assert len(keys) - 1 in CHI2_CRIT_001
     assert chi_square(counts, probs) < CHI2_CRIT_001[len(keys) - 1]
+
+
+def test_expected_path_length_matches_the_acceptance_rules():
+    """The value system's expected accepted length: Monte Carlo over accept_sample agrees
+    (within 4 standard errors), and with one-hot (greedy) rows it is the greedy path length."""
+    tree, logits = constructed_case()
+    settings = SamplerSettings(temp=1.0)
+    probs = np.array(target_probs(logits, settings), dtype=np.float64)
+    want = expected_path_length(tree, probs)
+    # root: children 2 (p .4), 4 (.3), 5 (.1); after 2: child 1 (p .2) -> 1 + .8 + .4*.2
+    assert want == pytest.approx(1.0 + 0.4 * 1.2 + 0.3 + 0.1, rel=1e-4)
+    rng = np.random.default_rng(3)
+    lengths = np.array([len(accept_sample(tree, logits, settings, rng).path) for _ in range(8000)])
+    assert abs(lengths.mean() - want) < 4 * lengths.std() / np.sqrt(len(lengths))
+    greedy = SamplerSettings()
+    one_hot = np.array(target_probs(logits, greedy), dtype=np.float64)
+    assert expected_path_length(tree, one_hot) == len(accept_greedy(tree, logits).path) == 2

@@ -13,6 +13,7 @@ from treegraft_mlx import timing as T
 from treegraft_mlx.bench import LatencyCurve, first_per_category, read_prompts
 from treegraft_mlx.scheduler import (FEATURE_NAMES, LayerState, LearnedSchedule, SchedulerMLP,
                                      features, load_artifact, mlp_forward)
+from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.session import Session
 from treegraft_mlx.tree import NEG_INF, DraftTree
 
@@ -152,11 +153,28 @@ def test_labelling_explores_counterfactuals_without_changing_the_output(family):
         assert len(r["x"]) == 17 and b["ms_call"] > 0 and b["tokens_skip"] >= 1
 
 
+def test_sampled_labels_weigh_every_path_by_its_probability(family):
+    """With sampling, both branches are valued by the expected committed tokens (not one draw),
+    so labels are fractional; the step itself samples."""
+    prompt = first_per_category(read_prompts(CALIBRATION), 1)[0]["prompt"]
+    session = Session(family)
+    rows = C.label_prompt(session, family.tokenizer.encode(prompt), T.Timing(30.0, 5.0),
+                          LatencyCurve({1: 10.0, 64: 40.0}), 12, 5, np.random.default_rng(0),
+                          SamplerSettings(temp=0.7, top_p=0.95))
+    tokens = [r["branches"][k] for r in rows for k in ("tokens_call", "tokens_skip")]
+    assert rows and all(1.0 <= t <= 6.0 for t in tokens)
+    assert any(abs(t - round(t)) > 1e-3 for t in tokens)
+    for r in rows:
+        b = r["branches"]
+        assert r["label"] == pytest.approx(b["tokens_call"] / b["ms_call"]
+                                           - b["tokens_skip"] / b["ms_skip"])
+
+
 def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
     prompts = read_prompts(CALIBRATION)[:3]
     calls = []
 
-    def fake_label(session, ids, timing, curve, max_tokens, b0, rng):
+    def fake_label(session, ids, timing, curve, max_tokens, b0, rng, settings):
         calls.append(len(ids))
         return [{"x": [0.0] * 17, "label": 1.0, "layer": 1, "branches": {}}]
 
@@ -186,6 +204,18 @@ def test_timing_is_measured_once_per_family_and_device(family, tmp_path, monkeyp
     assert len(measured) == 2
 
 
+def test_timing_is_measured_when_a_family_with_a_scheduler_loads(tmp_path, monkeypatch):
+    measured = []
+    monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(T, "measure_timing", lambda fam, tree: measured.append(1) or T.Timing(33.0, 4.0))
+    load(fixture_path(), warmup=False)
+    assert measured == []
+    family = load(fixture_path())
+    assert measured == [1] and T.cached_timing(family, family.tree) == T.Timing(33.0, 4.0)
+    load(fixture_path())
+    assert measured == [1]                                  # cached per model pair and device
+
+
 def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):
     """Offsets: 0, dataset call-rate quantiles, and 'never'; a shifted MLP calls iff the value
     exceeds the offset; the tuner measures every candidate and keeps the fastest."""
@@ -206,3 +236,55 @@ def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):
     by_offset = {row["offset"]: row for row in table}
     assert by_offset[offsets[-1]]["drafter_calls"] == 0 < by_offset[0.0]["drafter_calls"]
     assert best == max(table, key=lambda r: r["tokens_per_sec"])["offset"]
+
+
+def budget_rows(label_after_call: float) -> list[dict]:
+    """One step of rows at layers 1..5: layer 1 before any call (label 0.5), a call at layer 1,
+    then layers 2..5 after one call, each labelled `label_after_call`."""
+    rows = []
+    for layer in range(1, 6):
+        c = 0 if layer == 1 else 1
+        x = np.zeros(17, np.float32)
+        x[FEATURE_NAMES.index("layer_over_depth")] = layer / 5
+        x[FEATURE_NAMES.index("called_over_depth")] = c / 5
+        rows.append({"x": x.tolist(), "layer": layer,
+                     "label": 0.5 if layer == 1 else label_after_call,
+                     "branches": {"tokens_call": 2, "ms_call": 45.0,
+                                  "tokens_skip": 2, "ms_skip": 40.0}})
+    return rows
+
+
+def test_budget_stops_calls_where_deciding_costs_more_than_it_gains():
+    """b0 is the first calls-this-step count whose policy gain (label mass of its calls) is at
+    most the cost of its decision runs: one run per step after the c-th call, each costing
+    tokens/ms - tokens/(ms + decision_ms) of the skip branch."""
+    run_cost = 2 / 40.0 - 2 / 41.0                      # decision_ms = 1
+    small = {"p0": budget_rows(0.0002), "p1": budget_rows(0.0002)}
+    table = C.budget_table(small, constant_mlp(1.0), 1.0, 5)
+    assert [r["states"] for r in table[:2]] == [2, 8] and [r["runs"] for r in table[:2]] == [2, 2]
+    assert table[0]["gain"] == pytest.approx(1.0) and table[1]["gain"] == pytest.approx(0.0016)
+    assert table[1]["cost"] == pytest.approx(2 * run_cost)
+    assert C.choose_b0(table, 5) == 1                   # 0.0016 gained < 0.0024 spent
+    large = {"p0": budget_rows(0.01)}
+    # Paying after one call; no decision was ever seen after two: none is made there.
+    assert C.choose_b0(C.budget_table(large, constant_mlp(1.0), 1.0, 5), 5) == 2
+    assert C.choose_b0(C.budget_table(large, constant_mlp(1.0), 1.0, 2), 2) == 2
+    # Only the policy's calls count: a scheduler that never calls after a call gains nothing.
+    never_after = threshold_mlp("called_over_depth", 0.1)
+    never_after.params["l3.weight"] = -never_after.params["l3.weight"]   # value = 0.1 - x
+    table = C.budget_table(large, never_after, 1.0, 5)
+    assert table[0]["gain"] == pytest.approx(0.5) and table[1]["gain"] == 0.0
+    assert C.choose_b0(table, 5) == 1
+    assert C.choose_b0(C.budget_table(large, constant_mlp(-1.0), 1.0, 5), 5) == 0
+
+
+def test_calibration_timing_is_fixed_per_work_directory(tmp_path):
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return T.Timing(30.0 + len(measured), 5.0)
+
+    first = C.dataset_timing(tmp_path, measure)
+    assert C.dataset_timing(tmp_path, measure) == first == T.Timing(31.0, 5.0)
+    assert len(measured) == 1

@@ -3,11 +3,15 @@
 At every decision point of a step (before each tree layer) both branches are played out from
 the same state: the strong drafter expands this layer (call) or the weak one does (skip); the
 rest of the step follows the reference policy (weak drafter only); each branch's tree is
-pruned, verified by the target and accepted greedily. A branch's value is committed tokens per
-millisecond of step time:
+pruned and verified by the target. A branch's value is committed tokens per millisecond of
+step time:
 
-    value = committed tokens / (drafting ms measured so far in this step + the branch's
+    value = E[committed tokens] / (drafting ms measured so far in this step + the branch's
             measured drafting ms + T_verify(nodes verified))
+
+E[committed tokens] is exact, not a draw: a drafted child is accepted iff the target's draw at
+its parent is its token (verify.expected_path_length), so greedy labels count the greedy path
+and sampled labels (a calibration with temperature > 0) weigh every path by its probability.
 
 where T_verify comes from the target's verification-latency curve measured on this machine at
 the start of the run (a curve, not each branch's own noisy wall time: both branches verify
@@ -17,7 +21,8 @@ itself then continues with an exploring behaviour policy (strong drafter with pr
 1/2, within b0 calls), so states after earlier calls are visited too.
 
 The dataset is written prompt by prompt (one JSON line each), so an interrupted run resumes
-where it stopped. Labels are greedy-decoding labels.
+where it stopped. Greedy and sampled decoding get separate datasets and artifacts: which
+drafter pays off differs (n-gram drafts are accepted far less often when sampling).
 
 One-step counterfactual labels miss what a whole generation pays (the strong drafter catching
 up on tokens committed while it was skipped, several calls in one step compounding), so the
@@ -26,6 +31,11 @@ calibration prompts with the value shifted by a few candidate offsets (chosen as
 dataset's call-rate quantiles, plus 0 and "never"), tokens/s is measured in alternating order,
 and the fastest offset is folded into the de-standardisation (`out_mean`), so the runtime rule
 stays "call iff value > 0".
+
+The runtime budget b0 is chosen from the same data: every strong-drafter call in a step opens
+another run of decisions (features, look-ahead, one MLP evaluation, measured during the offset
+runs), and calls stop at the first count of calls-this-step where what the policy's calls
+gain (their labels) no longer pays for those evaluations (`budget_table`, `choose_b0`).
 """
 
 from __future__ import annotations
@@ -44,13 +54,13 @@ import numpy as np
 from .bench import LatencyCurve, machine_info, verification_latency
 from .engine import TreeBuild, commit, generate
 from .family import Family, TreeConfig
-from .sampling import SamplerSettings
+from .sampling import SamplerSettings, target_probs
 from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedule,
                         SchedulerMLP, features, mlp_forward)
 from .session import Session
 from .timing import Timing
 from .tree import DraftTree, prune
-from .verify import accept_greedy, verify
+from .verify import accept_greedy, accept_sample, expected_path_length, verify
 
 REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
 EXPLORE_CALL_PROB = 0.5
@@ -74,8 +84,9 @@ class Branches:
 
 
 def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: bool,
-          curve: LatencyCurve, spent_ms: float) -> tuple[int, float]:
-    """Finish the step from `build` with this layer called or skipped; (tokens, step ms)."""
+          curve: LatencyCurve, spent_ms: float, settings: SamplerSettings) -> tuple[float, float]:
+    """Finish the step from `build` with this layer called or skipped; (expected committed
+    tokens under the regime's acceptance, step ms)."""
     cfg, history = session.tree, session.history
     t0 = time.perf_counter()
     build.expand([layer], FixedSchedule(frozenset({layer} if call else set())), drafters, cfg,
@@ -84,17 +95,20 @@ def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: 
     tree = build.tree.subtree(prune(build.tree, cfg.budget))
     draft_ms = 1000 * (time.perf_counter() - t0)
     rows = cfg.rows_for(len(tree))
-    acc = accept_greedy(tree, verify(session.family.target, session.cache, tree, rows))
-    return len(acc.path), spent_ms + draft_ms + curve(rows)
+    logits = verify(session.family.target, session.cache, tree, rows)
+    probs = np.array(target_probs(logits, settings), dtype=np.float64)
+    return expected_path_length(tree, probs), spent_ms + draft_ms + curve(rows)
 
 
 def label_prompt(session: Session, ids: list[int], timing: Timing, curve: LatencyCurve,
-                 max_tokens: int, b0: int, rng: np.random.Generator) -> list[dict]:
-    """Generate up to `max_tokens` greedily, labelling every decision point on the way."""
+                 max_tokens: int, b0: int, rng: np.random.Generator,
+                 settings: SamplerSettings = SamplerSettings()) -> list[dict]:
+    """Generate up to `max_tokens` (greedy or sampled per `settings`), labelling every
+    decision point on the way."""
     cfg = session.tree
     strong = session.strong
     drafters = [session.ngram, strong]
-    root = session.prefill(ids, SamplerSettings(), rng)
+    root = session.prefill(ids, settings, rng)
     rows: list[dict] = []
     generated = 0
     eos = set(session.family.tokenizer.eos_token_ids)
@@ -108,9 +122,11 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
                                    build.tree, build.frontier, cfg.top_k, cfg.lookback)
                 x = features(state, timing.t_tgt_ms, timing.t_mid_ms)
                 snap = strong.snapshot()
-                call = _play(session, drafters, build.copy(), layer, True, curve, spent_ms)
+                call = _play(session, drafters, build.copy(), layer, True, curve, spent_ms,
+                             settings)
                 strong.restore(snap)
-                skip = _play(session, drafters, build.copy(), layer, False, curve, spent_ms)
+                skip = _play(session, drafters, build.copy(), layer, False, curve, spent_ms,
+                             settings)
                 strong.restore(snap)
                 b = Branches(*call, *skip)
                 rows.append({"x": x.tolist(), "label": b.label, "layer": layer,
@@ -122,7 +138,10 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
             spent_ms += 1000 * (time.perf_counter() - t0)
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
         logits = verify(session.family.target, session.cache, tree, cfg.rows_for(len(tree)))
-        acc = accept_greedy(tree, logits)
+        if settings.greedy:
+            acc = accept_greedy(tree, logits)
+        else:
+            acc = accept_sample(tree, logits, settings, rng)
         block = commit(session, drafters, tree, logits, acc)
         generated += len(block)
         root = acc.bonus
@@ -147,7 +166,8 @@ def read_dataset(out_dir: Path) -> dict[str, list[dict]]:
 
 def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,
                   max_tokens: int = 64, b0: int = 5, seed: int = 0,
-                  progress: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
+                  progress: Optional[Callable[[int], None]] = None,
+                  settings: SamplerSettings = SamplerSettings()) -> dict[str, list[dict]]:
     """Label every prompt not labelled yet in `out_dir` (resumable), appending as it goes."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -165,7 +185,7 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
                 session = Session(family, family.tree)
                 rng = np.random.default_rng([seed, i])
                 ids = family.tokenizer.encode(p["prompt"])
-                rows = label_prompt(session, ids, timing, curve, max_tokens, b0, rng)
+                rows = label_prompt(session, ids, timing, curve, max_tokens, b0, rng, settings)
                 f.write(json.dumps({"prompt_id": p["id"], "rows": rows}) + "\n")
                 f.flush()
                 done[p["id"]] = rows
@@ -264,27 +284,95 @@ def candidate_offsets(mlp: SchedulerMLP, x: np.ndarray) -> list[float]:
 
 def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: Timing,
                 b0: int, offsets: list[float], max_tokens: int, repeats: int = OFFSET_REPEATS,
-                progress: Optional[Callable[[int], None]] = None) -> tuple[float, list[dict]]:
-    """Greedy tokens/s of the scheduler at each offset on `prompts` (order alternating across
-    repeats); returns the fastest offset and the measurements."""
+                progress: Optional[Callable[[int], None]] = None,
+                settings: SamplerSettings = SamplerSettings(),
+                seed: int = 0) -> tuple[float, list[dict]]:
+    """Tokens/s (greedy or sampled per `settings`, seeded) of the scheduler at each offset on `prompts` (order alternating across
+    repeats), and the measured cost of one decision run (features, look-ahead, one MLP
+    evaluation); returns the fastest offset and the measurements."""
     tokens = {o: 0 for o in offsets}
     seconds = {o: 0.0 for o in offsets}
     calls = {o: 0 for o in offsets}
+    deciding = {o: 0.0 for o in offsets}
+    evaluations = {o: 0 for o in offsets}
     for rep in range(repeats):
         for o in (offsets if rep % 2 == 0 else offsets[::-1]):
             schedule = LearnedSchedule(shifted(mlp, o), timing.t_tgt_ms, timing.t_mid_ms, b0)
             for p in prompts:
                 r = generate(family, p["prompt"], "treegraft", max_tokens=max_tokens,
-                             schedule=schedule)
+                             schedule=schedule, temp=settings.temp, top_p=settings.top_p,
+                             top_k=settings.top_k, min_p=settings.min_p, seed=seed)
                 tokens[o] += r.generation_tokens
                 seconds[o] += r.generation_tokens / r.tokens_per_sec if r.tokens_per_sec else 0.0
                 calls[o] += r.drafter_calls
+                deciding[o] += sum(s.t_schedule for s in r.step_stats)
+            evaluations[o] += schedule.evaluations
             if progress:
                 progress(1)
     table = [{"offset": o, "tokens_per_sec": tokens[o] / seconds[o] if seconds[o] else 0.0,
-              "drafter_calls": calls[o]} for o in offsets]
+              "drafter_calls": calls[o],
+              "decision_ms": 1000 * deciding[o] / max(1, evaluations[o])} for o in offsets]
     best = max(table, key=lambda row: row["tokens_per_sec"])
     return best["offset"], table
+
+
+def budget_table(dataset: dict[str, list[dict]], mlp: SchedulerMLP, decision_ms: float,
+                 most: int) -> list[dict]:
+    """What the scheduler gains and costs at states reached after c calls in a step, for
+    c = 0 .. most - 1 (tokens/ms summed over the dataset).
+
+    gain: the label mass of the policy's calls there (its one-step value). cost: every run of
+    decisions starting there (after the step's c-th call, or at layer 1 for c = 0) is one MLP
+    evaluation with its look-ahead, `decision_ms` of step time: the value it loses is
+    tokens/ms - tokens/(ms + decision_ms), from the skip branch's measured tokens and ms.
+    """
+    table = [{"calls": c, "states": 0, "runs": 0, "gain": 0.0, "cost": 0.0} for c in range(most)]
+    i_layer, i_called = FEATURE_NAMES.index("layer_over_depth"), FEATURE_NAMES.index("called_over_depth")
+    for rows in dataset.values():
+        if not rows:
+            continue
+        x = np.array([r["x"] for r in rows], np.float32)
+        value = np.array(mlp.value(mx.array(x)))
+        before = -1                        # calls made before the previous row's layer
+        for r, xr, v in zip(rows, x, value):
+            c = int(round(float(xr[i_called] / xr[i_layer]) * r["layer"]))
+            starts_run, before = r["layer"] == 1 or c != before, c
+            if c >= most:
+                continue
+            t = table[c]
+            t["states"] += 1
+            if v > 0:
+                t["gain"] += r["label"]
+            if starts_run:
+                b = r["branches"]
+                tok, ms = b["tokens_skip"], b["ms_skip"]
+                t["runs"] += 1
+                t["cost"] += tok / ms - tok / (ms + decision_ms)
+    return table
+
+
+def choose_b0(table: list[dict], most: int) -> int:
+    """The runtime budget: calls stop at the first count c whose decisions cost at least what
+    they gain, or where no decision was labelled (0: the scheduler is not worth evaluating at
+    all); `most` if none does."""
+    for row in table:
+        if row["gain"] <= row["cost"]:
+            return row["calls"]
+    return most
+
+
+def dataset_timing(out_dir: Path, measure: Callable[[], Timing]) -> Timing:
+    """T_tgt/T_mid as the work directory's dataset was labelled with (features hold them):
+    measured once per work directory, so a resumed run labels with the same values."""
+    f = Path(out_dir) / "timing.json"
+    if f.exists():
+        return Timing(**json.loads(f.read_text()))
+    timing = measure()
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(timing)))
+    tmp.replace(f)
+    return timing
 
 
 def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
@@ -295,23 +383,34 @@ def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
 
 def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: Path,
               timing: Timing, artifact_dir: Path, max_tokens: int = 64, b0: int = 5,
-              seed: int = 0, progress: Optional[Callable[[int], None]] = None) -> dict:
-    """Label (resumably), train, correct the value's zero point end to end, and save the
-    scheduler artifact; returns its metadata. `progress` advances once per prompt labelled
+              seed: int = 0, progress: Optional[Callable[[int], None]] = None,
+              settings: SamplerSettings = SamplerSettings()) -> dict:
+    """Label (resumably), train, correct the value's zero point end to end, choose the
+    runtime budget (at most `b0`, the labelling budget) and save the scheduler artifact;
+    returns its metadata. `progress` advances once per prompt labelled
     and once per offset measured (calibration_units in all)."""
-    dataset = build_dataset(family, prompts, out_dir, timing, max_tokens, b0, seed, progress)
+    dataset = build_dataset(family, prompts, out_dir, timing, max_tokens, b0, seed, progress,
+                            settings)
     dataset = {p["id"]: dataset[p["id"]] for p in prompts if p["id"] in dataset}
     mlp, metrics = train_mlp(dataset, seed=seed)
     x = np.array([r["x"] for rows in dataset.values() for r in rows], np.float32)
     offsets = candidate_offsets(mlp, x)
     offset, table = tune_offset(family, prompts, mlp, timing, b0, offsets, max_tokens,
-                                progress=progress)
+                                progress=progress, settings=settings, seed=seed)
     mlp = shifted(mlp, offset)
     metrics["call_rate_after_offset"] = float((np.array(mlp.value(mx.array(x))) > 0).mean())
+    decision_ms = next(row["decision_ms"] for row in table if row["offset"] == offset)
+    budget = budget_table(dataset, mlp, decision_ms, b0)
     tree: TreeConfig = family.tree
-    meta = {"t_tgt_ms": timing.t_tgt_ms, "t_mid_ms": timing.t_mid_ms, "b0": b0,
-            "label": "tokens/ms(call) - tokens/ms(skip), reference policy: weak drafter "
-                     "after the decision; verification ms from the measured latency curve",
+    meta = {"t_tgt_ms": timing.t_tgt_ms, "t_mid_ms": timing.t_mid_ms,
+            "b0": choose_b0(budget, b0),
+            "budget": {"most": b0, "decision_ms": decision_ms, "by_calls": budget,
+                       "rule": "b0 = the first calls-this-step count whose decisions' label "
+                               "gain is at most their evaluation cost"},
+            "label": "tokens/ms(call) - tokens/ms(skip), tokens = expected committed tokens "
+                     "under the sampling's acceptance, reference policy: weak drafter after "
+                     "the decision; verification ms from the measured latency curve",
+            "sampling": asdict(settings),
             "value_offset": {"offset": offset, "folded_into": "out_mean",
                              "measured": table, "repeats": OFFSET_REPEATS},
             "tree": asdict(tree), "max_tokens": max_tokens, "seed": seed,

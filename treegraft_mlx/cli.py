@@ -340,30 +340,39 @@ def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max
               show_default=True, help="Dataset and latency curve; rerun to resume.")
 @click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
 @click.option("--b0", default=5, show_default=True, type=click.IntRange(1),
-              help="Most strong-drafter calls per step.")
+              help="Most strong-drafter calls per step while labelling; the runtime budget "
+                   "is chosen from the data, at most this.")
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--write", is_flag=True, help="Install the artifact in the bundle (scheduler/).")
-def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> None:
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
+              help="Calibrate for sampling at this temperature (0: greedy).")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0,
+              min_open=True))
+@click.option("--write", is_flag=True,
+              help="Install the artifact in the bundle (scheduler/, or scheduler-sampled/ when "
+                   "--temp > 0).")
+def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, write) -> None:
     """Label call/skip decisions counterfactually, distil them into the scheduler MLP."""
     from pathlib import Path
 
     from . import bench as B
-    from .calibrate import calibrate as run, calibration_units
-    from .family import update_manifest
+    from .calibrate import calibrate as run, calibration_units, dataset_timing
+    from .family import scheduler_entry, update_manifest
+    from .sampling import SamplerSettings
     from .timing import cached_timing
 
     family = load_family(model, ())
     if family.strong is None:
         raise click.ClickException("calibration needs a family with a strong drafter")
     prompts = B.read_prompts(Path(prompts_file))
-    timing = cached_timing(family, family.tree)
-    click.echo(f"T_tgt {timing.t_tgt_ms:.1f} ms, T_mid {timing.t_mid_ms:.1f} ms", err=True)
+    settings = SamplerSettings(temp, top_p)
     work = Path(work_dir)
+    timing = dataset_timing(work, lambda: cached_timing(family, family.tree))
+    click.echo(f"T_tgt {timing.t_tgt_ms:.1f} ms, T_mid {timing.t_mid_ms:.1f} ms", err=True)
     artifact = work / "scheduler"
     with click.progressbar(length=calibration_units(prompts), label="calibrate",
                            file=sys.stderr) as bar:
         meta = run(family, Path(prompts_file), prompts, work, timing, artifact, max_tokens, b0,
-                   seed, bar.update)
+                   seed, bar.update, settings)
     m = meta["metrics"]
     for split in ("train", "heldout"):
         if m[split]:
@@ -377,19 +386,26 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> Non
                    f"{row['drafter_calls']} strong-drafter calls")
     click.echo(f"value offset {meta['value_offset']['offset']:+.4f} (call rate on the dataset "
                f"{m['call_rate_after_offset']:.2f})")
+    budget = meta["budget"]
+    for row in budget["by_calls"]:
+        click.echo(f"after {row['calls']} call(s): {row['states']} decisions, gain "
+                   f"{row['gain']:.3f}, cost {row['cost']:.3f} tokens/ms "
+                   f"({row['runs']} runs x {budget['decision_ms']:.2f} ms)")
+    click.echo(f"b0 {meta['b0']} (at most {budget['most']})")
     click.echo(f"artifact: {artifact}")
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():
             raise click.ClickException("--write needs a bundle with treegraft.json")
         import shutil
 
-        dest = family.path / "scheduler"
-        tmp = family.path / "scheduler.tmp"
+        entry = scheduler_entry(not settings.greedy)
+        dest = family.path / entry.replace("_", "-")
+        tmp = family.path / f"{dest.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(artifact, tmp)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.replace(dest)
-        update_manifest(family.path, scheduler="scheduler")
+        update_manifest(family.path, **{entry: dest.name})
         click.echo(f"installed in {dest}")
 
 
@@ -397,8 +413,10 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, write) -> Non
 @click.option("--model", default=None, help="Bundle with a scheduler (default: tg-tiny).")
 @click.option("--scheduler", "scheduler_dir", type=click.Path(exists=True, file_okay=False),
               default=None, help="Scheduler artifact directory (default: the bundle's).")
+@click.option("--sampled", is_flag=True,
+              help="The bundle's scheduler calibrated for sampling (default: the greedy one).")
 @click.option("--out", required=True, type=click.Path(), help="Output .mlpackage path.")
-def export_coreml(model, scheduler_dir, out) -> None:
+def export_coreml(model, scheduler_dir, sampled, out) -> None:
     """Export the learned scheduler as a Core ML ML Program (.mlpackage) for macOS apps."""
     from pathlib import Path
 
@@ -408,9 +426,10 @@ def export_coreml(model, scheduler_dir, out) -> None:
         from .family import bundle_scheduler
 
         bundle = Path(model) if model else fixture_path()
-        scheduler_dir = bundle_scheduler(bundle)
+        scheduler_dir = bundle_scheduler(bundle, sampled=sampled)
         if scheduler_dir is None:
-            raise click.ClickException(f"{bundle} has no calibrated scheduler; run "
+            kind = "sampling-calibrated " if sampled else ""
+            raise click.ClickException(f"{bundle} has no {kind}calibrated scheduler; run "
                                        "`treegraft calibrate --write` or pass --scheduler")
     try:
         path = export(Path(scheduler_dir), Path(out))

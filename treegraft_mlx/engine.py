@@ -8,6 +8,7 @@ streaming and statistics are shared (generate.stream). Strategies by name:
   ngram                   endpoint W: the n-gram drafter builds every layer
   draft                   endpoint S: the strong drafter expands every layer
   treegraft               the shared tree; the family's learned scheduler decides each layer
+                          (its sampling-calibrated one when sampling, if the bundle has one)
                           (without a calibrated scheduler: the default fixed schedule)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
 
@@ -104,8 +105,8 @@ class Decoder:
         family = session.family
         if schedule is not None:
             self.schedule = schedule
-        elif strategy.learned and family.scheduler() is not None:
-            mlp, meta = family.scheduler()
+        elif strategy.learned and family.scheduler(not settings.greedy) is not None:
+            mlp, meta = family.scheduler(not settings.greedy)
             timing = cached_timing(family, session.tree)
             self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
         self.stats: list[StepStats] = []

@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
 from .scheduler import load_artifact
+from .timing import cached_timing
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,18 @@ class Family:
     path: Optional[Path] = None
     model_paths: dict[str, Path] = field(default_factory=dict)  # "target" and each drafter
     scheduler_dir: Optional[Path] = None   # calibrated scheduler artifact, if the bundle has one
-    _scheduler: Optional[tuple] = field(default=None, repr=False)
+    sampled_scheduler_dir: Optional[Path] = None   # one calibrated with sampling, if any
+    _schedulers: dict = field(default_factory=dict, repr=False)
 
-    def scheduler(self) -> Optional[tuple]:
-        """(SchedulerMLP, metadata) of the bundle's scheduler, loaded once; None without one."""
-        if self._scheduler is None and self.scheduler_dir is not None:
-            self._scheduler = load_artifact(self.scheduler_dir)
-        return self._scheduler
+    def scheduler(self, sampled: bool = False) -> Optional[tuple]:
+        """(SchedulerMLP, metadata) of the bundle's scheduler for greedy or sampled decoding
+        (sampling falls back to the greedy one), loaded once; None without one."""
+        directory = (sampled and self.sampled_scheduler_dir) or self.scheduler_dir
+        if directory is None:
+            return None
+        if directory not in self._schedulers:
+            self._schedulers[directory] = load_artifact(directory)
+        return self._schedulers[directory]
 
     @property
     def strong(self):
@@ -82,17 +88,22 @@ def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
 
 
 def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, Path]] = (),
-         tree: Optional[TreeConfig] = None, **model_kwargs) -> Family:
-    """Load a family from a bundle directory (with treegraft.json) or a target plus drafters."""
+         tree: Optional[TreeConfig] = None, warmup: bool = True, **model_kwargs) -> Family:
+    """Load a family from a bundle directory (with treegraft.json) or a target plus drafters.
+
+    With a calibrated scheduler and a strong drafter, `warmup` measures the scheduler's
+    T_tgt/T_mid here (a few seconds, once per model pair, tree shape and device: cached), so
+    the first generation does not pay for it."""
     root = resolve_path(target_path_or_bundle)
     manifest_file = root / "treegraft.json"
-    settings, scheduler_dir = {}, None
+    settings, scheduler_dir, sampled_dir = {}, None, None
     if manifest_file.exists():
         manifest = family_manifest(root)
         target_dir = root / manifest["target"]
         drafter_dirs = [(name, root / rel) for name, rel in manifest.get("drafters", {}).items()]
         settings = manifest.get("tree", {})
         scheduler_dir = bundle_scheduler(root, manifest)
+        sampled_dir = bundle_scheduler(root, manifest, sampled=True)
     else:
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
@@ -105,17 +116,27 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         loaded[name] = model
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
-    return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir)
+    family = Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir, sampled_dir)
+    if warmup and family.strong is not None and (scheduler_dir or sampled_dir):
+        cached_timing(family, tree)
+    return family
 
 
-def bundle_scheduler(bundle: Path, manifest: Optional[dict] = None) -> Optional[Path]:
-    """The calibrated scheduler artifact a bundle's manifest names (read unless given), or None."""
+def scheduler_entry(sampled: bool) -> str:
+    """The manifest key (and the bundle directory) of the greedy or the sampled scheduler."""
+    return "scheduler_sampled" if sampled else "scheduler"
+
+
+def bundle_scheduler(bundle: Path, manifest: Optional[dict] = None,
+                     sampled: bool = False) -> Optional[Path]:
+    """The calibrated scheduler artifact (greedy, or sampled) a bundle's manifest names (read
+    unless given), or None."""
     bundle = Path(bundle)
     if manifest is None:
         if not (bundle / "treegraft.json").exists():
             return None
         manifest = family_manifest(bundle)
-    rel = manifest.get("scheduler")
+    rel = manifest.get(scheduler_entry(sampled))
     return bundle / rel if rel else None
 
 

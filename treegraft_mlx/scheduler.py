@@ -208,6 +208,7 @@ class LearnedSchedule:
     t_tgt_ms: float
     t_mid_ms: float
     b0: int = 5
+    evaluations: int = 0          # MLP evaluations so far (what a decision's cost is spread over)
 
     def first_call(self, ahead: Iterable[LayerState], num_drafters: int) -> Optional[int]:
         if num_drafters < 2:
@@ -219,5 +220,6 @@ class LearnedSchedule:
             rows.append(features(state, self.t_tgt_ms, self.t_mid_ms))
         if not rows:
             return None
+        self.evaluations += 1
         calls = np.flatnonzero(np.array(self.mlp.value(mx.array(np.stack(rows)))) > 0)
         return int(calls[0]) if len(calls) else None

@@ -72,3 +72,16 @@ def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
             return Acceptance(path, draw(p, rng))
         node = accepted
         path.append(node)
+
+
+def expected_path_length(tree: DraftTree, probs: np.ndarray) -> float:
+    """Expected len(path) (root + accepted drafts) of the acceptance rules above, given the
+    processed target distribution per node (N, V): a child is accepted exactly when the
+    target's draw at its parent is its token, i.e. with probability p_parent(token), whatever
+    the order the siblings are tried in. Greedy (one-hot rows) gives the greedy path length.
+    E(u) = sum over u's children c of p_u(token_c) * (1 + E(c)); nodes are visited deepest
+    first (children always follow their parents)."""
+    below = np.zeros(len(tree))
+    for u in range(len(tree) - 1, -1, -1):
+        below[u] = sum(probs[u, tree.token[c]] * (1.0 + below[c]) for c in tree.children_of(u))
+    return 1.0 + float(below[0])
