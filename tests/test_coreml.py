@@ -1,5 +1,6 @@
 """Core ML export of the scheduler MLP, checked without macOS by reading the package back."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from treegraft_mlx.coreml import (export_coreml, numpy_predict, read_coreml_cons
                                   read_coreml_metadata)
 from treegraft_mlx.scheduler import FEATURE_NAMES, SchedulerMLP
 
-META = {"b0": 4, "t_tgt_ms": 21.5, "t_mid_ms": 6.25}
+META = {"b0": 4, "t_tgt_ms": 21.5, "t_mid_ms": 6.25,
+        "sampling": {"temp": 0.7, "top_p": 0.95, "top_k": 0, "min_p": 0.0}}
 
 
 def random_mlp(seed: int = 3) -> SchedulerMLP:
@@ -86,6 +88,7 @@ def test_metadata_round_trips(artifact, tmp_path):
     assert tuple(meta["features"].split(",")) == FEATURE_NAMES
     assert meta["format_version"] == "1"
     assert (meta["b0"], meta["t_tgt_ms"], meta["t_mid_ms"]) == ("4", "21.5", "6.25")
+    assert json.loads(meta["sampling"]) == META["sampling"]
 
 
 def test_reexport_replaces_existing_package(artifact, tmp_path):

@@ -96,3 +96,23 @@ def test_mlx_lm_quantized_fixture_matches_mlx_lm(tmp_path, bits):
     ids = mx.array([[12, 345, 67, 890, 1011, 23, 4000, 5]])
     assert ours.quantization["bits"] == bits
     assert np.abs(np.array(ours(ids)) - np.array(ref(ids))).max() < 1e-3
+
+
+@pytest.mark.parametrize("entry,temp", [("scheduler", 0.0), ("scheduler_sampled", 0.7)])
+def test_bundled_schedulers_calibrated_off_the_benchmark_suite(entry, temp):
+    """Each bundled scheduler names its calibration prompts: the current calibration file
+    (same hash), none of them a suite prompt; and the decoding it was calibrated for."""
+    import hashlib
+
+    root = Path(__file__).parents[1]
+    bundle = fixture_path()
+    meta = json.loads((bundle / family_manifest(bundle)[entry] / "scheduler.json").read_text())
+    prov = meta["calibration_prompts"]
+    calibration = root / prov["file"]
+    assert hashlib.sha256(calibration.read_bytes()).hexdigest() == prov["sha256"]
+    cal = {json.loads(x)["id"]: json.loads(x)["prompt"] for x in calibration.read_text().splitlines()}
+    suite = {json.loads(x)["prompt"] for x in
+             (root / "benchmarks/prompts/public.jsonl").read_text().splitlines()}
+    assert prov["prompt_ids"] and set(prov["prompt_ids"]) <= set(cal)
+    assert not {cal[i] for i in prov["prompt_ids"]} & suite
+    assert meta["sampling"]["temp"] == temp and 0 <= meta["b0"] <= meta["budget"]["most"]

@@ -29,6 +29,19 @@ def test_results_section_carries_the_measured_numbers():
     assert "treegraft bench --prompts p.jsonl" in text and "openblas" in text
 
 
+def test_decision_share_row_only_for_strategies_that_decide():
+    runs = []
+    for cat, t_schedule in (("copy", 0.02), ("function_completion", 0.04)):
+        runs.append(Run(f"{cat}-0", cat, "ar", 0, 100, 100, 1.0, 40.0, [1, 2]))
+        runs.append(Run(f"{cat}-0", cat, "treegraft", 0, 100, 50, 2.0, 50.0, [1, 2],
+                        t_schedule=t_schedule))        # 2 s per category
+    report = fake_report()
+    report["summary"] = summarize(runs)
+    text = R.strategy_table(report, "greedy")
+    assert "| scheduler decisions, share of time (categories min-max) | - | 1.5% (1.0%-2.0%) |" in text
+    assert "scheduler decisions" not in R.strategy_table(fake_report(), "greedy")
+
+
 def test_readme_block_is_replaced_and_markers_are_required(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{R.RESULTS_BEGIN}\nold numbers\n{R.RESULTS_END}\noutro\n")

@@ -428,9 +428,9 @@ def export_coreml(model, scheduler_dir, sampled, out) -> None:
         bundle = Path(model) if model else fixture_path()
         scheduler_dir = bundle_scheduler(bundle, sampled=sampled)
         if scheduler_dir is None:
-            kind = "sampling-calibrated " if sampled else ""
-            raise click.ClickException(f"{bundle} has no {kind}calibrated scheduler; run "
-                                       "`treegraft calibrate --write` or pass --scheduler")
+            kind, how = ("sampling-calibrated", " --temp T") if sampled else ("calibrated", "")
+            raise click.ClickException(f"{bundle} has no {kind} scheduler; run `treegraft "
+                                       f"calibrate{how} --write` or pass --scheduler")
     try:
         path = export(Path(scheduler_dir), Path(out))
     except (ValueError, FileNotFoundError) as e:

@@ -10,6 +10,7 @@ artifact it came from.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -111,6 +112,8 @@ def export_coreml(artifact_dir: Path, out_path: Path) -> Path:
     for key in (k for k in META_KEYS if k in meta):     # Core ML metadata values are strings
         v = meta[key]
         model.user_defined_metadata[key] = ",".join(map(str, v)) if isinstance(v, list) else str(v)
+    if "sampling" in meta:      # which decoding it was calibrated for (temp 0: greedy)
+        model.user_defined_metadata["sampling"] = json.dumps(meta["sampling"], sort_keys=True)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))

@@ -69,11 +69,23 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
     rows.append("| vs ar | " + " | ".join(cell(s, "all", "speedup_vs_ar", ".2f") + "x" for s in strats) + " |")
     rows.append("| tokens per target forward | "
                 + " | ".join(cell(s, "all", "mean_accepted", ".2f") for s in strats) + " |")
+    if any(summary["strategies"][s].get("all", {}).get("schedule_s") for s in strats):
+        rows.append("| scheduler decisions, share of time (categories min-max) | "
+                    + " | ".join(decision_share(summary["strategies"][s]) for s in strats) + " |")
     loops = summary.get("ar_loop_share", {}) if loops is None else loops
     for cat in sorted(c for c in loops if c != "all"):
         rows.append(f"| {cat} (greedy loop share {loops[cat]:.0%}), tok/s | "
                     + " | ".join(cell(s, cat, "tokens_per_sec", ".1f") for s in strats) + " |")
     return "\n".join(rows)
+
+
+def decision_share(by_category: dict) -> str:
+    """'1.6% (1.3%-1.9%)': the learned scheduler's decision time over generation time, all
+    prompts then the least and most of any category; '-' for strategies that never decide."""
+    if not by_category.get("all", {}).get("schedule_s"):
+        return "-"
+    shares = [v["schedule_share"] for c, v in by_category.items() if c != "all"]
+    return f"{by_category['all']['schedule_share']:.1%} ({min(shares):.1%}-{max(shares):.1%})"
 
 
 def results_section(reports: dict[str, dict]) -> str:
