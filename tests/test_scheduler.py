@@ -185,6 +185,9 @@ def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
         f.write('{"prompt_id": "torn')                 # a write cut by a crash
     done = C.build_dataset(family, prompts, tmp_path, T.Timing(30.0, 5.0))
     assert len(calls) == 3 and sorted(done) == sorted(p["id"] for p in prompts)
+    with pytest.raises(ValueError, match="was labelled with"):
+        C.build_dataset(family, prompts, tmp_path, T.Timing(30.0, 5.0),
+                        settings=SamplerSettings(temp=0.7))
 
 
 def test_timing_is_measured_once_per_family_and_device(family, tmp_path, monkeypatch):

@@ -9,14 +9,13 @@ step time:
     value = E[committed tokens] / (drafting ms measured so far in this step + the branch's
             measured drafting ms + T_verify(nodes verified))
 
+where T_verify comes from the target's verification-latency curve measured on this machine at
+the start of the run (a curve, not each branch's own noisy wall time: both branches verify
+similar trees, and a 2-3 ms timing jitter would otherwise swamp a one-token difference).
 E[committed tokens] is exact, not a draw: a drafted child is accepted iff the target's draw at
 its parent is its token (verify.expected_path_length), so greedy labels count the greedy path
 and sampled labels (a calibration with temperature > 0) weigh every path by its probability.
-
-where T_verify comes from the target's verification-latency curve measured on this machine at
-the start of the run (a curve, not each branch's own noisy wall time: both branches verify
-similar trees, and a 2-3 ms timing jitter would otherwise swamp a one-token difference). The
-label is value(call) - value(skip); the scheduler calls iff its prediction is > 0. The step
+The label is value(call) - value(skip); the scheduler calls iff its prediction is > 0. The step
 itself then continues with an exploring behaviour policy (strong drafter with probability
 1/2, within b0 calls), so states after earlier calls are visited too.
 
@@ -168,9 +167,19 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
                   max_tokens: int = 64, b0: int = 5, seed: int = 0,
                   progress: Optional[Callable[[int], None]] = None,
                   settings: SamplerSettings = SamplerSettings()) -> dict[str, list[dict]]:
-    """Label every prompt not labelled yet in `out_dir` (resumable), appending as it goes."""
+    """Label every prompt not labelled yet in `out_dir` (resumable), appending as it goes.
+    A work directory holds one decoding regime: resuming it with other sampling settings is
+    an error, not a mixed dataset."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    regime_file = out_dir / "sampling.json"
+    if regime_file.exists():
+        labelled = SamplerSettings(**json.loads(regime_file.read_text()))
+        if labelled != settings:
+            raise ValueError(f"{out_dir} was labelled with {labelled}, not {settings}; "
+                             "use another work directory")
+    else:
+        regime_file.write_text(json.dumps(asdict(settings)))
     done = read_dataset(out_dir)
     curve_file = out_dir / "latency.json"
     if curve_file.exists():
