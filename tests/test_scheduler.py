@@ -91,6 +91,34 @@ def test_learned_schedule_follows_sign_and_stops_at_b0():
     assert first(threshold_mlp("layer_over_depth", 0.7), []) == 2
 
 
+def test_rows_up_to_the_previous_call_are_scored_first():
+    """Grouping rows into evaluations changes the cost, never the decision: after a run whose
+    first call was at position p, the next run scores rows 0..p first and builds no
+    look-ahead past p when one of them calls; otherwise the rest is scored next."""
+    t = small_tree()
+    pulled = []
+
+    def ahead(called=()):
+        for i, layer in enumerate(range(2, 6)):
+            pulled.append(i)
+            yield LayerState(layer, 5, 50, list(called), t, [1, 2], 2, 5)
+
+    def run(schedule, **kw):
+        pulled.clear()
+        before = schedule.evaluations
+        return schedule.first_call(ahead(**kw), 2), len(pulled), schedule.evaluations - before
+
+    s = LearnedSchedule(threshold_mlp("layer_over_depth", 0.7), 40.0, 8.0, 1)
+    assert run(s) == (2, 4, 1)                  # no hint yet: every row, one evaluation
+    assert run(s) == (2, 3, 1)                  # rows 0..2 only
+    assert run(s, called=[1]) == (None, 1, 0)   # budget spent: nothing scored, hint kept
+    assert run(s) == (2, 3, 1)
+    s.mlp = threshold_mlp("layer_over_depth", 0.9)
+    assert run(s) == (3, 4, 2)                  # the hint missed: the rest scored next
+    s.mlp = threshold_mlp("layer_over_depth", 1.5)
+    assert run(s) == (None, 4, 1) and s.last_call is None
+
+
 def test_artifact_round_trip_and_clear_errors(tmp_path):
     mlp = SchedulerMLP.init(1)
     mlp.save(tmp_path / "a", {"b0": 3})

@@ -202,24 +202,44 @@ def load_artifact(directory: Path) -> tuple[SchedulerMLP, dict]:
 
 @dataclass
 class LearnedSchedule:
-    """Strong drafter iff mlp(features) > 0 and fewer than b0 calls this step."""
+    """Strong drafter iff mlp(features) > 0 and fewer than b0 calls this step.
+
+    Which rows go into one MLP evaluation changes the cost, never a decision (each row's
+    value is the same however rows are grouped). The rows up to where the previous run's
+    first call was are scored first: when the scheduler keeps calling at the same layer
+    (sampling calls on most steps), the look-ahead past it is never built; otherwise the rest
+    follows in a second evaluation."""
 
     mlp: SchedulerMLP
     t_tgt_ms: float
     t_mid_ms: float
     b0: int = 5
     evaluations: int = 0          # MLP evaluations so far (what a decision's cost is spread over)
+    last_call: Optional[int] = None   # the previous run's first call (position), if any
 
     def first_call(self, ahead: Iterable[LayerState], num_drafters: int) -> Optional[int]:
         if num_drafters < 2:
             return None
-        rows = []
+        rows: list[np.ndarray] = []
+        scored = 0                        # rows already evaluated (none of them calls)
         for state in ahead:
             if len(state.called) >= self.b0:   # the same on every state of a skip run
                 break
             rows.append(features(state, self.t_tgt_ms, self.t_mid_ms))
-        if not rows:
+            if scored == 0 and len(rows) - 1 == self.last_call:
+                k = self._first_positive(rows)
+                if k is not None:
+                    self.last_call = k
+                    return k
+                scored = len(rows)
+        if not rows:                      # budget spent: nothing decided, the hint kept
             return None
+        k = self._first_positive(rows[scored:]) if len(rows) > scored else None
+        self.last_call = None if k is None else scored + k
+        return self.last_call
+
+    def _first_positive(self, rows: list[np.ndarray]) -> Optional[int]:
+        """Position of the first row whose value is positive (one MLP evaluation)."""
         self.evaluations += 1
         calls = np.flatnonzero(np.array(self.mlp.value(mx.array(np.stack(rows)))) > 0)
         return int(calls[0]) if len(calls) else None
