@@ -179,14 +179,14 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
             raise ValueError(f"{out_dir} was labelled with {labelled}, not {settings}; "
                              "use another work directory")
     else:
-        regime_file.write_text(json.dumps(asdict(settings)))
+        _write_json(regime_file, asdict(settings))
     done = read_dataset(out_dir)
     curve_file = out_dir / "latency.json"
     if curve_file.exists():
         points = {int(k): v for k, v in json.loads(curve_file.read_text()).items()}
     else:
         points = verification_latency(family.target, sizes=(1, 4, 8, 16, 32, 64))
-        curve_file.write_text(json.dumps(points))
+        _write_json(curve_file, points)
     curve = LatencyCurve(points)
     with open(out_dir / DATASET, "a") as f:
         for i, p in enumerate(prompts):
@@ -296,9 +296,10 @@ def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: 
                 progress: Optional[Callable[[int], None]] = None,
                 settings: SamplerSettings = SamplerSettings(),
                 seed: int = 0) -> tuple[float, list[dict]]:
-    """Tokens/s (greedy or sampled per `settings`, seeded) of the scheduler at each offset on `prompts` (order alternating across
-    repeats), and the measured cost of one decision run (features, look-ahead, one MLP
-    evaluation); returns the fastest offset and the measurements."""
+    """Tokens/s (greedy or sampled per `settings`, seeded) of the scheduler at each offset on
+    `prompts` (order alternating across repeats), and the measured cost of one decision run
+    (features, look-ahead, one MLP evaluation); returns the fastest offset and the
+    measurements."""
     tokens = {o: 0 for o in offsets}
     seconds = {o: 0.0 for o in offsets}
     calls = {o: 0 for o in offsets}
@@ -378,10 +379,15 @@ def dataset_timing(out_dir: Path, measure: Callable[[], Timing]) -> Timing:
         return Timing(**json.loads(f.read_text()))
     timing = measure()
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(timing)))
-    tmp.replace(f)
+    _write_json(f, asdict(timing))
     return timing
+
+
+def _write_json(path: Path, obj) -> None:
+    """Write a work-directory record whole or not at all: a resumed run trusts what it reads."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
 
 
 def provenance(prompts_file: Path, prompts: list[dict]) -> dict:

@@ -105,8 +105,8 @@ class Decoder:
         family = session.family
         if schedule is not None:
             self.schedule = schedule
-        elif strategy.learned and family.scheduler(not settings.greedy) is not None:
-            mlp, meta = family.scheduler(not settings.greedy)
+        elif strategy.learned and (learned := family.scheduler(not settings.greedy)) is not None:
+            mlp, meta = learned
             timing = cached_timing(family, session.tree)
             self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
         self.stats: list[StepStats] = []
