@@ -1,9 +1,15 @@
 """treegraft-mlx: TreeGraft tree-based speculative decoding on MLX."""
 
-from .engine import GenerationResult, generate, stream_generate
-from .family import Family, TreeConfig, load
-from .fixtures import fixture_path
-from .loading import LoadError, load_model
+# First, before anything below imports mlx.core: the system OpenBLAS only takes over MLX's BLAS
+# calls if it is loaded before libmlx.so is (see blas.py).
+from . import blas
+
+blas.preload_openblas()
+
+from .engine import GenerationResult, generate, stream_generate  # noqa: E402
+from .family import Family, TreeConfig, load  # noqa: E402
+from .fixtures import fixture_path  # noqa: E402
+from .loading import LoadError, load_model  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Family", "GenerationResult", "LoadError", "TreeConfig", "fixture_path", "generate",

@@ -11,9 +11,10 @@ from typing import Iterator, Optional
 import mlx.core as mx
 
 OPENBLAS_HINT = (
-    "MLX's Linux CPU wheel bundles a reference BLAS (measured ~30x slower than OpenBLAS for "
-    "fp32 matmul). Install Debian's OpenBLAS and preload it: apt-get install -y "
-    "libopenblas0-pthread; export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+    "MLX's Linux CPU wheel bundles a reference BLAS (measured 15-25x slower than OpenBLAS for "
+    "fp32 matmul). Install Debian's OpenBLAS (apt-get install -y libopenblas0-pthread) and "
+    "import treegraft_mlx before mlx so that it can load it (TREEGRAFT_NO_BLAS_PRELOAD unset), "
+    "or preload it: export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 )
 
 
