@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import treegraft_mlx  # noqa: F401  first: it loads the system OpenBLAS before mlx (blas.py)
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import make_checkpoint  # noqa: E402

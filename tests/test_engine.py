@@ -210,3 +210,34 @@ def test_batched_decisions_build_the_same_trees_as_layer_by_layer(family):
     layers = [name for step in runs["batched"][1] for name in step]
     assert "ngram" in layers and any(n != "ngram" for n in layers)   # both choices occur
     assert runs["batched"][3] < runs["one-by-one"][3]
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkeypatch, temp):
+    """Plans that alternate between the root alone and whole trees exercise every path of the
+    adaptive loop: AR steps with the next forward already queued, a tree worth verifying while
+    the root's forward is in flight (its confirmed child's subtree is carried to the next
+    step), and plain tree steps. Greedy output equals `ar`; sampled output is reproducible."""
+    from treegraft_mlx.engine import Sizer
+    from treegraft_mlx.tree import Plan
+
+    calls = []
+
+    def scripted(self, tree):
+        calls.append(len(tree))
+        whole = len(calls) % 3 != 1             # root alone on every third step
+        keep = np.arange(min(len(tree), 6)) if whole else np.arange(1)
+        return Plan(keep, 1.0, 10.0)
+
+    monkeypatch.setattr(Sizer, "plan", scripted)
+    prompt = suite_prompts(1)[1]["prompt"]
+    kw = dict(max_tokens=80, temp=temp, seed=3)
+    out = generate(family, prompt, "ngram", **kw)
+    rows = [s.rows for s in out.step_stats]
+    assert 1 in rows and max(rows) > 1
+    carried = [s for s in out.step_stats if not s.layers and s.rows > 1]
+    assert carried, "no subtree was carried over from an in-flight root forward"
+    if temp == 0:
+        assert out.token_ids == generate(family, prompt, "ar", max_tokens=80).token_ids
+    else:
+        assert out.token_ids == generate(family, prompt, "ngram", **kw).token_ids

@@ -9,7 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from treegraft_mlx.kernels import TreeMask, kernel_source, tree_attention
+from treegraft_mlx.kernels import kernel_source, tree_attention
+from treegraft_mlx.tree import TreeMask
 from treegraft_mlx.tree import ancestor_mask, attention_mask
 
 SHIM = Path(__file__).parent / "shim"
@@ -66,7 +67,7 @@ def test_compact_mask_round_trip_and_dense_form():
         m = TreeMask.from_bool(block, context=7)
         assert m.bits.dtype == np.uint32 and m.bits.shape == (n, -(-n // 32))
         assert np.array_equal(m.block(), block)
-        dense = np.array(m.dense)
+        dense = m.dense()
         assert dense.shape == (n, 7 + n) and dense[:, :7].all()
         assert np.array_equal(dense[:, 7:], block)
     # bit j of row i is word j // 32, bit j % 32 (what the kernels read)

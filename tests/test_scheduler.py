@@ -10,7 +10,8 @@ from schedulers import threshold_mlp
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import timing as T
-from treegraft_mlx.bench import LatencyCurve, first_per_category, read_prompts
+from treegraft_mlx.bench import first_per_category, read_prompts
+from treegraft_mlx.timing import LatencyCurve
 from treegraft_mlx.scheduler import (FEATURE_NAMES, LayerState, LearnedSchedule, SchedulerMLP,
                                      features, load_artifact, mlp_forward)
 from treegraft_mlx.sampling import SamplerSettings
@@ -218,33 +219,51 @@ def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
                         settings=SamplerSettings(temp=0.7))
 
 
-def test_timing_is_measured_once_per_family_and_device(family, tmp_path, monkeypatch):
+def test_costs_are_measured_once_per_key_and_a_damaged_cache_is_remeasured(family, tmp_path):
     measured = []
 
-    def fake_measure(fam, tree):
+    def fake_measure():
         measured.append(1)
         return T.Timing(33.0, 4.0)
 
-    monkeypatch.setattr(T, "measure_timing", fake_measure)
     cache = tmp_path / "timings.json"
-    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
-    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
+    key = T.timing_key(family, family.tree)
+    assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
+    assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     assert len(measured) == 1
+    costs = T.StepCosts((20.0, 24.0, 23.0), 15.0, 1.0, 0.5)
+    steps_key = T.step_costs_key(family, family.tree)
+    assert steps_key != key
+    assert T.cached(T.StepCosts, steps_key, lambda: costs, cache) == costs
+    assert T.cached(T.StepCosts, steps_key, lambda: 1 / 0, cache) == costs   # both kept
+    assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     cache.write_text("{not json")
-    assert T.cached_timing(family, family.tree, cache) == T.Timing(33.0, 4.0)
+    assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     assert len(measured) == 2
 
 
-def test_timing_is_measured_when_a_family_with_a_scheduler_loads(tmp_path, monkeypatch):
+def test_step_costs_pad_and_price_each_size():
+    costs = T.StepCosts((20.0, 24.0, 23.0, 30.0), ar_ms=15.0, overhead_ms=1.0, draft_ms=0.5)
+    assert [costs.rows_for(n) for n in (1, 2, 3, 4, 5)] == [1, 3, 3, 4, 5]
+    assert costs.step_ms().tolist() == [15.0, 24.0, 24.0, 31.0]
+
+
+def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):
+    from treegraft_mlx import engine as E
+
     measured = []
     monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))
-    monkeypatch.setattr(T, "measure_timing", lambda fam, tree: measured.append(1) or T.Timing(33.0, 4.0))
+    monkeypatch.setattr(E, "measure_timing",
+                        lambda fam, tree: measured.append("timing") or T.Timing(33.0, 4.0))
+    monkeypatch.setattr(E, "measure_step_costs", lambda fam, tree: measured.append("steps")
+                        or T.StepCosts((20.0, 24.0), 15.0, 1.0, 0.5))
     load(fixture_path(), warmup=False)
     assert measured == []
     family = load(fixture_path())
-    assert measured == [1] and T.cached_timing(family, family.tree) == T.Timing(33.0, 4.0)
+    assert sorted(measured) == ["steps", "timing"]
+    assert E.scheduler_timing(family, family.tree) == T.Timing(33.0, 4.0)
     load(fixture_path())
-    assert measured == [1]                                  # cached per model pair and device
+    assert len(measured) == 2                               # cached per model pair and device
 
 
 def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):

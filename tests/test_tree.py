@@ -36,7 +36,7 @@ def test_mask_positions_paths():
     assert depths(t.parent).tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert path_to(t.parent, 6) == [0, 1, 3, 6]
     assert t.path_tokens(6) == [100, 11, 13, 16]
-    full = np.array(attention_mask(t.parent, context=4, prefix=2).dense)
+    full = attention_mask(t.parent, context=4, prefix=2).dense()
     assert full.shape == (9, 4 + 9)
     assert full[0, :7].tolist() == [True] * 5 + [False] * 2  # prefix row 0: context + itself
     assert full[1, :7].tolist() == [True] * 6 + [False]
@@ -175,7 +175,7 @@ def test_graft_rescores_reselects_shallow_and_deletes_nothing():
 
 
 def test_pad_map_picks_the_fastest_block_at_least_as_big():
-    from treegraft_mlx.bench import pad_map
+    from treegraft_mlx.timing import pad_map
     from treegraft_mlx.family import TreeConfig
 
     latency = {1: 10.0, 2: 12.0, 3: 20.0, 4: 15.0, 5: 30.0, 6: 31.0, 7: 33.0, 8: 25.0}
@@ -185,3 +185,56 @@ def test_pad_map_picks_the_fastest_block_at_least_as_big():
     assert [cfg.rows_for(n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
     with pytest.raises(ValueError, match="must not shrink"):
         TreeConfig(verify_pad=(1, 1))
+
+
+def test_path_probability_and_best_size_per_step():
+    from treegraft_mlx.tree import path_probability, plan_verification
+
+    t = small_tree()
+    a = np.array([1.0, 0.9, 0.2, 0.5, 0.1, 0.9, 0.8])
+    prob = path_probability(t.parent, a)
+    assert prob == pytest.approx([1, 0.9, 0.2, 0.45, 0.09, 0.18, 0.36])
+    # Flat costs: every node is worth verifying; E = 1 + sum of the path probabilities.
+    flat = np.full(7, 10.0)
+    plan = plan_verification(t, a, flat, rate=0.01)
+    assert plan.keep.tolist() == list(range(7)) and plan.expected == pytest.approx(prob.sum())
+    # Step costs 10, 11, 12, 13, 30...: at 0.1 tokens/ms the best set is the best-first
+    # prefix of 4 nodes (0, 1, 3, 6: E = 2.71, value 2.71 - 1.3 = 1.41 beats 1.9 - 1.1).
+    ms = np.array([10.0, 11, 12, 13, 30, 31, 32])
+    plan = plan_verification(t, a, ms, rate=0.1)
+    assert plan.keep.tolist() == [0, 1, 3, 6]
+    assert plan.expected == pytest.approx(2.71) and plan.step_ms == 13
+    # Pricier time: the root alone (an AR step) wins.
+    plan = plan_verification(t, a, np.array([10.0, 25, 40, 55, 70, 85, 100]), rate=0.1)
+    assert plan.keep.tolist() == [0] and plan.expected == 1.0
+    # A table shorter than the tree caps the block.
+    assert len(plan_verification(t, a, flat[:3], rate=0.0).keep) == 3
+
+
+def test_every_prefix_of_the_best_first_order_is_ancestor_closed():
+    from treegraft_mlx.tree import plan_verification
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        t = DraftTree.rooted_at(0)
+        for tok in range(1, 30):
+            t.add(int(rng.integers(len(t))), tok, 0.0)
+        a = rng.random(len(t))
+        a[rng.random(len(t)) < 0.2] = 1.0                 # ties with the parent
+        for n in range(1, len(t) + 1):
+            ms = np.r_[np.zeros(n), np.full(len(t) - n, 1e9)]
+            keep = set(plan_verification(t, a, ms, rate=1.0).keep.tolist())
+            assert len(keep) == n
+            assert all(t.parent[v] in keep for v in keep if v)
+
+
+def test_rerooted_subtree_keeps_evidence_and_shifts_depth():
+    t = small_tree()
+    t.add(1, 13, -2.0, 3, 7, ngram_lp=-0.25)            # merge: one vote, its log-prob
+    sub = t.rerooted(1)
+    assert sub.token == [11, 13, 14, 16] and sub.parent == [-1, 0, 0, 1]
+    assert sub.depth == [0, 1, 1, 2]
+    assert sub.child(0, 13) == 1 and sub.child(1, 16) == 3
+    assert sub.votes[1] == 1 and sub.ngram_lp[1] == -0.25 and sub.match_len[1] == 3
+    assert np.isnan(sub.ngram_lp[2]) and sub.votes[2] == 0
+    assert t.rerooted(0).token == t.token

@@ -6,8 +6,8 @@ from . import blas
 
 blas.preload_openblas()
 
-from .engine import GenerationResult, generate, stream_generate  # noqa: E402
-from .family import Family, TreeConfig, load  # noqa: E402
+from .engine import GenerationResult, generate, load, stream_generate  # noqa: E402
+from .family import Family, TreeConfig  # noqa: E402
 from .fixtures import fixture_path  # noqa: E402
 from .loading import LoadError, load_model  # noqa: E402
 

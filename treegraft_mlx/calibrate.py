@@ -50,14 +50,14 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 
-from .bench import LatencyCurve, machine_info, verification_latency
+from .bench import machine_info
 from .engine import TreeBuild, commit, generate
 from .family import Family, TreeConfig
 from .sampling import SamplerSettings, target_probs
 from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedule,
                         SchedulerMLP, features, mlp_forward)
 from .session import Session
-from .timing import Timing
+from .timing import LatencyCurve, Timing, verification_latency
 from .tree import DraftTree, prune
 from .verify import accept_greedy, accept_sample, expected_path_length, verify
 

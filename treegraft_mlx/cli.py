@@ -44,7 +44,7 @@ def sampling_options(f):
 
 
 def load_family(model: Optional[str], draft_models: tuple[str, ...]):
-    from .family import load
+    from .engine import load
 
     try:
         return load(model or fixture_path(), drafters=draft_models)
@@ -357,8 +357,8 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, 
     from . import bench as B
     from .calibrate import calibrate as run, calibration_units, dataset_timing
     from .family import scheduler_entry, update_manifest
+    from .engine import scheduler_timing
     from .sampling import SamplerSettings
-    from .timing import cached_timing
 
     family = load_family(model, ())
     if family.strong is None:
@@ -366,7 +366,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, 
     prompts = B.read_prompts(Path(prompts_file))
     settings = SamplerSettings(temp, top_p)
     work = Path(work_dir)
-    timing = dataset_timing(work, lambda: cached_timing(family, family.tree))
+    timing = dataset_timing(work, lambda: scheduler_timing(family, family.tree))
     click.echo(f"T_tgt {timing.t_tgt_ms:.1f} ms, T_mid {timing.t_mid_ms:.1f} ms", err=True)
     artifact = work / "scheduler"
     with click.progressbar(length=calibration_units(prompts), label="calibrate",
@@ -407,6 +407,65 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, 
         tmp.replace(dest)
         update_manifest(family.path, **{entry: dest.name})
         click.echo(f"installed in {dest}")
+
+
+@main.command("calibrate-acceptance")
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+              default="benchmarks/prompts/calibration.jsonl", show_default=True,
+              help="Calibration prompts (keep them out of the benchmark suite).")
+@click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
+@click.option("--work-dir", type=click.Path(file_okay=False), default="calibration-acceptance",
+              show_default=True, help="Logged outcomes per regime; rerun to resume.")
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
+              help="Calibrate the sampled regime at this temperature (0: greedy).")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0,
+              min_open=True))
+@click.option("--write", is_flag=True,
+              help="Store the regime's weights in the bundle's acceptance.json.")
+def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, top_p,
+                         write) -> None:
+    """Log per-node verification outcomes and fit the acceptance estimates the per-step tree
+    size is chosen with; prints the reliability curve (predicted vs observed)."""
+    from pathlib import Path
+
+    from . import acceptance as A
+    from . import bench as B
+    from .calibrate import provenance
+    from .calibrate_acceptance import calibrate_acceptance as run
+    from .family import update_manifest
+    from .sampling import SamplerSettings
+
+    family = load_family(model, ())
+    prompts = B.read_prompts(Path(prompts_file))
+    settings = SamplerSettings(temp, top_p)
+    with click.progressbar(length=len(prompts), label="log outcomes", file=sys.stderr) as bar:
+        report = run(family, prompts, Path(work_dir), settings, max_tokens, seed, bar.update)
+    name = A.regime(not settings.greedy)
+    click.echo(f"{name}: {report['rows']} nodes from {report['prompts']} prompts, base rate "
+               f"{report['base_rate']:.3f}")
+    for split in ("train", "heldout"):
+        if split in report:
+            r = report[split]
+            click.echo(f"{split}: log-loss {r['log_loss']:.4f} (constant "
+                       f"{r['log_loss_constant']:.4f})")
+    click.echo("held-out reliability (predicted -> observed, nodes):")
+    for b in report.get("heldout", report.get("train"))["reliability"]:
+        if b["nodes"]:
+            click.echo(f"  [{b['lo']:.1f}, {b['hi']:.1f}): {b['predicted']:.3f} -> "
+                       f"{b['observed']:.3f} ({b['nodes']})")
+    if write:
+        if family.path is None or not (family.path / "treegraft.json").exists():
+            raise click.ClickException("--write needs a bundle with treegraft.json")
+        out = family.path / "acceptance.json"
+        stored = json.loads(out.read_text()) if out.exists() else {}
+        reports = {r: stored[r] for r in A.REGIMES if r in stored and r != name}
+        reports[name] = {**report, "calibration_prompts": provenance(Path(prompts_file), prompts),
+                         "machine": B.machine_info(), "max_tokens": max_tokens, "seed": seed}
+        A.save(out, reports, {})
+        update_manifest(family.path, acceptance=out.name)
+        click.echo(f"wrote {name} weights to {out}")
 
 
 @main.command("export-coreml")

@@ -17,25 +17,33 @@ Mean accepted length := generated tokens / target forwards after prefill (tokens
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
 
 from . import device
-from .family import Family, TreeConfig
+from .acceptance import AcceptanceModel
+from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream
-from .history import History, top_logprobs
+from .history import History, host_top_logprobs
 from .sampling import SamplerSettings, sample_token
 from .session import Session
 from .scheduler import FixedSchedule, LayerState, LearnedSchedule, Schedule, parse_layers
-from .timing import cached_timing
-from .tree import DraftTree, prune
+from .timing import (StepCosts, Timing, cached, step_costs_key, timing_key,
+                     verification_latency)
+from .tree import DraftTree, Plan, build_cap, plan_verification, prune
 from .verify import Acceptance, accept_greedy, accept_sample, verify
 
 DEFAULT_CHAIN_K = 4
+MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
+RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
 # Without a calibrated scheduler, `treegraft` uses a fixed schedule: the strong drafter on
 # layer 1, the fastest schedule with a strong-drafter call measured on tg-tiny here.
 DEFAULT_COMBINE_LAYERS = frozenset({1})
@@ -51,6 +59,8 @@ class StepStats:
     t_verify: float
     t_accept: float
     t_schedule: float = 0.0       # part of t_draft spent deciding (the learned scheduler)
+    rows: int = 1                 # rows the target's forward ran (nodes verified, padded)
+    expected: float = 1.0         # committed tokens the size choice expected (adaptive steps)
 
 
 @dataclass(frozen=True)
@@ -107,8 +117,11 @@ class Decoder:
             self.schedule = schedule
         elif strategy.learned and (learned := family.scheduler(not settings.greedy)) is not None:
             mlp, meta = learned
-            timing = cached_timing(family, session.tree)
+            timing = scheduler_timing(family, session.tree)
             self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
+        self.sizer = (Sizer(family.acceptance, step_costs(family, session.tree), session.tree,
+                            sampled=not settings.greedy)
+                      if strategy.kind == "tree" and session.tree.adaptive else None)
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
@@ -121,31 +134,27 @@ class Decoder:
         yield []  # prefill done
         if self.strategy.kind == "ar":
             yield from self._ar_steps(root)
+        elif self.sizer is not None:
+            yield from self._adaptive_steps(root)
         else:
             yield from self._tree_steps(root)
+
+    def _forward(self) -> "ArForward":
+        key = mx.random.key(int(self.rng.integers(2**31)))
+        return ArForward(self.target, self.session.cache, self.settings, key,
+                         with_row=self.sizer is not None)
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
         queued (async_eval) before the current token is read back."""
-        cache, history = self.session.cache, self.session.history
-        key = mx.random.key(int(self.rng.integers(2**31)))
-
-        def forward(token: mx.array) -> mx.array:
-            nonlocal key
-            logits = self.target(token.reshape(1, 1), cache=cache)[0, -1]
-            cache.commit()
-            key, sub = mx.random.split(key)
-            nxt = sample_token(logits, self.settings, sub)
-            mx.async_eval(nxt)
-            return nxt
-
-        nxt = forward(mx.array(root))
+        history, forward = self.session.history, self._forward()
+        queued = forward(mx.array(root))
         while True:
-            after = forward(nxt)
-            history.extend([int(nxt.item())])
+            after = forward(queued.token)
+            history.extend([queued.read()])
             self.stats.append(StepStats(0, 1, 1, [], 0.0, 0.0, 0.0))
             yield [history.tokens[-2]]
-            nxt = after
+            queued = after
 
     def _build(self, root: int, history: History) -> "TreeBuild":
         cfg = self.session.tree
@@ -160,26 +169,131 @@ class Decoder:
         return build
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
+        """Every step verifies the built tree pruned to the fixed budget (the paper's way)."""
         while True:
             t0 = time.perf_counter()
             build = self._build(root, self.session.history)
-            full = build.tree
-            tree = full.subtree(prune(full, self.session.tree.budget))
-            t1 = time.perf_counter()
-            logits = verify(self.target, self.session.cache, tree,
-                            self.session.tree.rows_for(len(tree)))
-            mx.eval(logits)
-            t2 = time.perf_counter()
-            if self.settings.greedy:
-                acc = accept_greedy(tree, logits)
-            else:
-                acc = accept_sample(tree, logits, self.settings, self.rng)
-            block = commit(self.session, self.drafters, tree, logits, acc)
-            self.stats.append(StepStats(len(acc.path) - 1, len(tree), len(full), build.used,
-                                        t1 - t0, t2 - t1, time.perf_counter() - t2,
-                                        build.t_schedule))
+            tree = build.tree.subtree(prune(build.tree, self.session.tree.budget))
+            rows = self.session.tree.rows_for(len(tree))
+            block, acc = self._verify(tree, rows, StepStats(
+                0, len(tree), len(build.tree), build.used, time.perf_counter() - t0, 0.0, 0.0,
+                build.t_schedule, rows, 0.0))
             yield block
             root = acc.bonus
+
+    def _adaptive_steps(self, root: int) -> Iterator[list[int]]:
+        """Every step verifies the subtree its drafts are worth (Sizer); the root alone is an
+        AR step, pipelined as `ar` is: while the root's forward runs, the next one is already
+        queued on the bet that it is an AR step too, and the drafts for it are built. When
+        they are worth verifying after all, the queued forward has verified their root: the
+        child it confirms keeps its subtree for the next step."""
+        history, forward = self.session.history, self._forward()
+        queued: Optional[Queued] = None        # the forward of `root`, in flight
+        carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
+        while True:
+            t0 = time.perf_counter()
+            if carried is None:
+                build = self._build(root, history)
+                full, used, t_schedule = build.tree, build.used, build.t_schedule
+            else:
+                full, used, t_schedule = carried, [], 0.0
+            carried = None
+            plan = self.sizer.plan(full)
+            t1 = time.perf_counter()
+            if queued is None and len(plan.keep) > 1:
+                tree = full.subtree(plan.keep)
+                rows = self.sizer.costs.rows_for(len(tree))
+                block, acc = self._verify(tree, rows, StepStats(
+                    0, len(tree), len(full), used, t1 - t0, 0.0, 0.0, t_schedule, rows,
+                    plan.expected))
+                yield block
+                root = acc.bonus
+                continue
+            if queued is None:
+                queued = forward(mx.array(root))
+            after = forward(queued.token) if len(plan.keep) == 1 else None
+            nxt = queued.read()
+            t2 = time.perf_counter()
+            history.record(history.committed, *host_top_logprobs(queued.row()[None]))
+            history.extend([nxt])
+            for d in self.drafters:
+                d.observe(history, 1)
+            self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
+                                        time.perf_counter() - t2, t_schedule, 1, plan.expected))
+            yield [root]
+            if after is None and (c := full.child(0, nxt)) >= 0:
+                carried = full.rerooted(c)
+            root, queued = nxt, after
+
+    def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
+        """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`."""
+        t1 = time.perf_counter()
+        logits = verify(self.target, self.session.cache, tree, rows)
+        mx.eval(logits)
+        t2 = time.perf_counter()
+        if self.settings.greedy:
+            acc = accept_greedy(tree, logits)
+        else:
+            acc = accept_sample(tree, logits, self.settings, self.rng)
+        block = commit(self.session, self.drafters, tree, logits, acc)
+        stats.accepted = len(acc.path) - 1
+        stats.t_verify, stats.t_accept = t2 - t1, time.perf_counter() - t2
+        self.stats.append(stats)
+        return block, acc
+
+
+@dataclass
+class Queued:
+    """A target forward of one token, queued: its next token (lazy) and its logits row."""
+
+    token: mx.array
+    logits: mx.array
+
+    def read(self) -> int:
+        return int(self.token.item())
+
+    def row(self) -> np.ndarray:
+        return np.array(self.logits)
+
+
+class ArForward:
+    """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
+    or the processed distribution with the next key), all evaluated asynchronously, so the
+    host can queue the following forward or draft while it runs."""
+
+    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
+                 with_row: bool = False):
+        self.target, self.cache, self.settings, self.key = target, cache, settings, key
+        self.with_row = with_row      # also evaluate the logits row (the history records it)
+
+    def __call__(self, token: mx.array) -> Queued:
+        logits = self.target(token.reshape(1, 1), cache=self.cache)[0, -1]
+        self.cache.commit()
+        self.key, sub = mx.random.split(self.key)
+        nxt = sample_token(logits, self.settings, sub)
+        if self.with_row:
+            mx.async_eval(nxt, logits)
+        else:
+            mx.async_eval(nxt)
+        return Queued(nxt, logits)
+
+
+class Sizer:
+    """Chooses what each step verifies (design 9): acceptance estimates for the built tree,
+    path probabilities, and the subtree that maximises expected tokens minus the step's
+    measured cost priced at the long-run rate (an EMA of the planned tokens per ms)."""
+
+    def __init__(self, acceptance: AcceptanceModel, costs: StepCosts, cfg: TreeConfig,
+                 sampled: bool):
+        self.acceptance, self.costs, self.cfg, self.sampled = acceptance, costs, cfg, sampled
+        self.step_ms = costs.step_ms()
+        self.rate = 1.0 / (costs.ar_ms + costs.draft_ms)
+
+    def plan(self, tree: DraftTree) -> Plan:
+        accept = self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
+        plan = plan_verification(tree, accept, self.step_ms, self.rate)
+        self.rate += RATE_EMA * (plan.expected / (plan.step_ms + self.costs.draft_ms) - self.rate)
+        return plan
 
 
 @dataclass
@@ -249,7 +363,7 @@ def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
     extend the history and tell the drafters. Returns the committed block (root first)."""
     history = session.history
     session.cache.keep(acc.path)
-    top_ids, top_lp = top_logprobs(logits[mx.array(acc.path)])
+    top_ids, top_lp = host_top_logprobs(np.array(logits[mx.array(acc.path)]))
     history.record(history.committed, top_ids, top_lp)
     block = [tree.token[i] for i in acc.path]
     history.extend(block[1:] + [acc.bonus])
@@ -322,3 +436,78 @@ def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwar
         drafter_calls=decoder.drafter_calls if decoder else 0,
         finish_reason=last.finish_reason if last else None,
         step_stats=decoder.stats if decoder else [])
+
+
+# What this device's costs are measured with: a short code prompt, repetitive enough that the
+# n-gram tree fills up.
+PROBE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                "def mul(a, b):\n")
+PROBE_TOKENS = 48
+LATENCY_REPEATS = 3
+
+
+def load(target_path_or_bundle: Union[str, Path], drafters: Sequence = (),
+         tree: Optional[TreeConfig] = None, warmup: bool = True, **model_kwargs) -> Family:
+    """Load a family (family.load_family) and, with `warmup`, measure what this device's steps
+    cost (and the scheduler's T_tgt/T_mid, when the bundle has one) unless cached, so the first
+    generation does not pay for it: a few seconds, once per model pair and device."""
+    family = load_family(target_path_or_bundle, drafters, tree, **model_kwargs)
+    if warmup:
+        step_costs(family, family.tree)
+        if family.strong is not None and (family.scheduler_dir or family.sampled_scheduler_dir):
+            scheduler_timing(family, family.tree)
+    return family
+
+
+def step_costs(family: Family, tree: TreeConfig) -> StepCosts:
+    """This device's step costs for the family (cached; measured on first use)."""
+    return cached(StepCosts, step_costs_key(family, tree), lambda: measure_step_costs(family, tree))
+
+
+def measure_step_costs(family: Family, tree: TreeConfig,
+                       progress: Optional[Callable[[int], None]] = None) -> StepCosts:
+    """The target's latency for every block size up to what a step may verify, a pipelined AR
+    step, and a tree step's drafting and host work (an n-gram generation with a small fixed
+    tree: its verification time beyond the measured forward is the host work)."""
+    limit = min(MAX_STEP_ROWS, build_cap(tree.top_k, tree.depth))
+    with _progress(limit + 2, "measuring this device's step costs (once)") as advance:
+        latency = verification_latency(family.target, sizes=range(1, limit + 1),
+                                       repeats=LATENCY_REPEATS, progress=advance)
+        generate(family, PROBE_PROMPT, "ar", max_tokens=8)
+        ar = generate(family, PROBE_PROMPT, "ar", max_tokens=PROBE_TOKENS)
+        advance(1)
+        fixed = dataclasses.replace(tree, adaptive=False, budget=min(8, limit), verify_pad=())
+        steps = generate(family, PROBE_PROMPT, "ngram", max_tokens=PROBE_TOKENS,
+                         tree=fixed).step_stats
+        advance(1)
+    host = [1000 * (s.t_verify + s.t_accept) - latency[s.rows] for s in steps]
+    return StepCosts(tuple(latency[m] for m in range(1, limit + 1)),
+                     ar_ms=1000 / ar.tokens_per_sec,
+                     overhead_ms=max(0.0, float(np.median(host))),
+                     draft_ms=float(np.median([1000 * s.t_draft for s in steps])))
+
+
+def scheduler_timing(family: Family, tree: TreeConfig) -> Timing:
+    """The learned scheduler's T_tgt/T_mid for this family, tree shape and device (cached)."""
+    return cached(Timing, timing_key(family, tree), lambda: measure_timing(family, tree))
+
+
+def measure_timing(family: Family, tree: TreeConfig) -> Timing:
+    """Warm-up with the strong drafter forced on every layer (the `draft` endpoint), each step
+    verifying the tree pruned to the budget, as the scheduler's features were labelled."""
+    fixed = dataclasses.replace(tree, adaptive=False)
+    generate(family, PROBE_PROMPT, "draft", max_tokens=8, tree=fixed)  # first-call costs
+    res = generate(family, PROBE_PROMPT, "draft", max_tokens=PROBE_TOKENS, tree=fixed)
+    steps = res.step_stats
+    calls = max(1, res.drafter_calls)
+    return Timing(t_tgt_ms=1000 * sum(s.t_verify for s in steps) / len(steps),
+                  t_mid_ms=1000 * sum(s.t_draft for s in steps) / calls)
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
+    """A one-line notice and a progress bar on stderr for the one-time measurements."""
+    import click
+
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update

@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from .acceptance import AcceptanceModel
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
 from .scheduler import load_artifact
-from .timing import cached_timing
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class TreeConfig:
     # verify_pad[n - 1]: rows to verify n nodes with. Measured per device: on some BLAS a
     # 16-row forward is faster than a 12-row one, so small trees are padded up (empty = never).
     verify_pad: tuple[int, ...] = ()
+    # Each step verifies the subtree worth its cost (acceptance estimates and this device's
+    # measured step costs, design 9) instead of pruning to `budget`; then the pad comes from
+    # the measured costs too.
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.top_k < 1 or self.depth < 1 or self.budget < 1 or self.n_max < 1:
@@ -52,6 +56,7 @@ class Family:
     model_paths: dict[str, Path] = field(default_factory=dict)  # "target" and each drafter
     scheduler_dir: Optional[Path] = None   # calibrated scheduler artifact, if the bundle has one
     sampled_scheduler_dir: Optional[Path] = None   # one calibrated with sampling, if any
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel.default)
     _schedulers: dict = field(default_factory=dict, repr=False)
 
     def scheduler(self, sampled: bool = False) -> Optional[tuple]:
@@ -87,16 +92,15 @@ def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
                             f"{getattr(a, attr, None)} vs {getattr(b, attr, None)}")
 
 
-def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, Path]] = (),
-         tree: Optional[TreeConfig] = None, warmup: bool = True, **model_kwargs) -> Family:
+def load_family(target_path_or_bundle: Union[str, Path],
+                drafters: Sequence[Union[str, Path]] = (), tree: Optional[TreeConfig] = None,
+                **model_kwargs) -> Family:
     """Load a family from a bundle directory (with treegraft.json) or a target plus drafters.
-
-    With a calibrated scheduler and a strong drafter, `warmup` measures the scheduler's
-    T_tgt/T_mid here (a few seconds, once per model pair, tree shape and device: cached), so
-    the first generation does not pay for it."""
+    (`treegraft_mlx.load` also measures this device's costs on first use.)"""
     root = resolve_path(target_path_or_bundle)
     manifest_file = root / "treegraft.json"
     settings, scheduler_dir, sampled_dir = {}, None, None
+    acceptance = AcceptanceModel.default()
     if manifest_file.exists():
         manifest = family_manifest(root)
         target_dir = root / manifest["target"]
@@ -104,6 +108,8 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         settings = manifest.get("tree", {})
         scheduler_dir = bundle_scheduler(root, manifest)
         sampled_dir = bundle_scheduler(root, manifest, sampled=True)
+        if manifest.get("acceptance"):
+            acceptance = AcceptanceModel.load(root / manifest["acceptance"])
     else:
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
@@ -116,10 +122,8 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Sequence[Union[str, 
         loaded[name] = model
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
-    family = Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir, sampled_dir)
-    if warmup and family.strong is not None and (scheduler_dir or sampled_dir):
-        cached_timing(family, tree)
-    return family
+    return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir, sampled_dir,
+                  acceptance)
 
 
 def scheduler_entry(sampled: bool) -> str:

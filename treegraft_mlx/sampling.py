@@ -8,6 +8,7 @@ top-p -> min-p -> renormalise. Temperature 0 means greedy (argmax).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -56,11 +57,65 @@ def target_probs(logits: mx.array, s: SamplerSettings) -> mx.array:
     return p / p.sum(-1, keepdims=True)
 
 
+def processed_logits(logits: mx.array, s: SamplerSettings) -> mx.array:
+    """Log-weights of the processed distribution (up to a constant; -inf where filtered), for
+    a device-side draw. Same filters as `target_probs`, found on the sorted row: one sort and
+    one exp pass per row, the least a top-p filter can cost."""
+    x = logits.astype(mx.float32) / s.temp
+    if not (s.top_k or s.top_p < 1.0 or s.min_p > 0):
+        return x
+    v = x.shape[-1]
+    desc = mx.sort(x, axis=-1)[..., ::-1]
+    p = mx.softmax(desc, axis=-1)
+    keep = mx.ones(p.shape, dtype=mx.bool_)
+    if s.top_k and s.top_k < v:
+        keep = mx.arange(v) < s.top_k
+        p = mx.where(keep, p, 0.0)
+    if s.top_p < 1.0:
+        before = mx.cumsum(p, axis=-1) - p       # mass strictly above each rank
+        keep = keep & (before < s.top_p * p.sum(-1, keepdims=True))
+    if s.min_p > 0:
+        keep = keep & (p >= s.min_p * p[..., :1])
+    # The smallest kept logit: everything at least as likely stays (ties included).
+    threshold = mx.min(mx.where(keep, desc, mx.inf), axis=-1, keepdims=True)
+    return mx.where(x >= threshold, x, -mx.inf)
+
+
+@lru_cache(maxsize=16)
+def _compiled_sampler(s: SamplerSettings):
+    return mx.compile(lambda logits, key: mx.random.categorical(processed_logits(logits, s),
+                                                                key=key))
+
+
 def sample_token(logits: mx.array, s: SamplerSettings, key: mx.array) -> mx.array:
-    """A lazily evaluated draw from the processed distribution (argmax when greedy)."""
+    """A lazily evaluated draw from the processed distribution (argmax when greedy): what the
+    pipelined AR step queues before the previous token is read back."""
     if s.greedy:
         return mx.argmax(logits, -1)
-    return mx.random.categorical(mx.log(target_probs(logits, s)), key=key)
+    return _compiled_sampler(s)(logits, key)
+
+
+def host_probs(logits: np.ndarray, s: SamplerSettings) -> np.ndarray:
+    """`target_probs` of one row in numpy (float64), for acceptance on the host: it visits one
+    row per accepted node, and a row that has left the device costs a few vectorised passes
+    instead of one device evaluation per node."""
+    x = np.asarray(logits, dtype=np.float64)
+    if s.greedy:
+        p = np.zeros_like(x)
+        p[int(np.argmax(x))] = 1.0
+        return p
+    x = x / s.temp
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.top_k and s.top_k < len(p):
+        p = np.where(p >= np.partition(p, -s.top_k)[-s.top_k], p, 0.0)
+    if s.top_p < 1.0:
+        desc = np.sort(p)[::-1]
+        before = np.cumsum(desc) - desc
+        p = np.where(p >= desc[before < s.top_p * desc.sum()].min(), p, 0.0)
+    if s.min_p > 0:
+        p = np.where(p >= s.min_p * p.max(), p, 0.0)
+    return p / p.sum()
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -73,4 +128,4 @@ def pick(logits: mx.array, s: SamplerSettings, rng: np.random.Generator) -> int:
     """One token from one row of logits, drawn on the host with `rng`."""
     if s.greedy:
         return int(mx.argmax(logits).item())
-    return draw(np.array(target_probs(logits, s), dtype=np.float64), rng)
+    return draw(host_probs(np.array(logits.astype(mx.float32)), s), rng)

@@ -1,21 +1,28 @@
-"""Measures what a verification and a strong-drafter call cost on this machine (the scheduler's
-T_tgt and T_mid), once per model pair and device, and caches the result on disk."""
+"""What decoding costs on this machine, measured once per model pair and device, cached on disk.
+
+Two records: the step costs the per-step size choice prices (the target's verification latency
+for every block size, a pipelined AR step, a tree step's host work) and the scheduler's T_tgt /
+T_mid. Measuring runs generations, which is the engine's business: the engine passes in the
+measuring functions, so this module only stores, keys and reuses what they return.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import mlx.core as mx
+import numpy as np
 
-# A short code prompt for the warm-up: repetitive enough that the tree fills up.
-WARMUP_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
-                 "def mul(a, b):\n")
-WARMUP_TOKENS = 48
+from .tree import attention_mask, positions
+
+LATENCY_CONTEXT = 256      # committed tokens behind the measured blocks
 
 
 @dataclass(frozen=True)
@@ -24,51 +31,121 @@ class Timing:
     t_mid_ms: float   # one strong-drafter call (forward of the nodes new since its last call)
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """What one decoding step costs here, by the number of tree nodes it verifies."""
+
+    latency_ms: tuple[float, ...]   # [m - 1]: one target forward over a block of m rows
+    ar_ms: float                    # one pipelined AR step (the step that verifies the root alone)
+    overhead_ms: float              # a tree step's host work besides the forward
+    draft_ms: float                 # one step's n-gram drafting
+
+    def __post_init__(self):
+        object.__setattr__(self, "latency_ms", tuple(float(x) for x in self.latency_ms))
+
+    def rows_for(self, n: int) -> int:
+        """The block size to verify n nodes with: the fastest measured size >= n (BLAS kernels
+        favour some row counts), n itself past the table."""
+        if n > len(self.latency_ms):
+            return n
+        return min(range(n, len(self.latency_ms) + 1), key=lambda m: (self.latency_ms[m - 1], m))
+
+    def step_ms(self) -> np.ndarray:
+        """[n - 1]: ms of a step that verifies n nodes (n = 1: an AR step), drafting excluded."""
+        tree = [self.latency_ms[self.rows_for(n) - 1] + self.overhead_ms
+                for n in range(2, len(self.latency_ms) + 1)]
+        return np.array([self.ar_ms, *tree])
+
+
 def default_cache_file() -> Path:
     root = os.environ.get("TREEGRAFT_CACHE") or Path.home() / ".cache" / "treegraft_mlx"
     return Path(root) / "timings.json"
 
 
+def device_key() -> str:
+    return "|".join([str(mx.default_device()), platform.node(),
+                     platform.processor() or platform.machine()])
+
+
 def timing_key(family, tree) -> str:
-    """Model pair (paths), tree shape and device: what the two costs depend on."""
+    """Model pair (paths), tree shape and device: what T_tgt and T_mid depend on."""
     paths = family.model_paths
     strong = list(family.drafters)[-1]
-    return "|".join([str(paths.get("target")), str(paths.get(strong)), str(mx.default_device()),
-                     platform.node(), platform.processor() or platform.machine(),
+    return "|".join(["timing", str(paths.get("target")), str(paths.get(strong)), device_key(),
                      f"k{tree.top_k}d{tree.depth}b{tree.budget}"])
 
 
-def measure_timing(family, tree) -> Timing:
-    """Warm-up with the strong drafter forced on every layer (the `draft` endpoint)."""
-    from .engine import generate
-
-    generate(family, WARMUP_PROMPT, "draft", max_tokens=8, tree=tree)  # first-call costs
-    res = generate(family, WARMUP_PROMPT, "draft", max_tokens=WARMUP_TOKENS, tree=tree)
-    steps = res.step_stats
-    calls = max(1, res.drafter_calls)
-    return Timing(t_tgt_ms=1000 * sum(s.t_verify for s in steps) / len(steps),
-                  t_mid_ms=1000 * sum(s.t_draft for s in steps) / calls)
+def step_costs_key(family, tree) -> str:
+    """Target and device (the forward's costs) and the n-gram tree shape (the drafting's)."""
+    return "|".join(["steps", str(family.model_paths.get("target")), device_key(),
+                     f"k{tree.top_k}d{tree.depth}n{tree.n_max}"])
 
 
-def cached_timing(family, tree, cache_file: Optional[Path] = None) -> Timing:
-    """The measured timing for this family, tree shape and device; measured on first use."""
+R = TypeVar("R", Timing, StepCosts)
+
+
+def cached(cls: type[R], key: str, measure: Callable[[], R],
+           cache_file: Optional[Path] = None) -> R:
+    """The record stored under `key`, measured (and stored) on first use. A damaged cache is
+    re-measured, never trusted; a read-only home only costs the measurement again next time."""
     cache_file = Path(cache_file or default_cache_file())
-    key = timing_key(family, tree)
     table = {}
     if cache_file.exists():
         try:
             table = json.loads(cache_file.read_text())
-        except (OSError, ValueError):
-            table = {}  # a damaged cache is re-measured, never trusted
-    if key in table:
-        return Timing(**table[key])
-    timing = measure_timing(family, tree)
-    table[key] = asdict(timing)
+            if key in table:
+                return cls(**table[key])
+        except (OSError, ValueError, TypeError):
+            table = {}
+    record = measure()
+    table[key] = asdict(record)
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(cache_file)
     except OSError:
-        pass  # a read-only home only costs the warm-up again next time
-    return timing
+        pass
+    return record
+
+
+def verification_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+                         context: int = LATENCY_CONTEXT, repeats: int = 5,
+                         progress: Optional[Callable[[int], None]] = None) -> dict[int, float]:
+    """Median ms of one target forward over n tree nodes (a chain) after `context` tokens."""
+    cache = target.make_cache()
+    target(mx.array([list(range(3, 3 + context))]), cache=cache)
+    cache.commit()
+    out = {}
+    for n in sizes:
+        parent = list(range(-1, n - 1))
+        tokens = mx.array([[7] * n])
+        pos, mask = positions(parent, context), attention_mask(parent, context)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            mx.eval(target(tokens, cache=cache, positions=pos, mask=mask))
+            times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times[1:]) * 1000
+        if progress:
+            progress(1)
+    return out
+
+
+class LatencyCurve:
+    """Target verification ms for n nodes, interpolated from measured points."""
+
+    def __init__(self, points: dict[int, float]):
+        self.n = np.array(sorted(points), dtype=np.float64)
+        self.ms = np.array([points[k] for k in sorted(points)], dtype=np.float64)
+
+    def __call__(self, n: int) -> float:
+        return float(np.interp(n, self.n, self.ms))
+
+
+def pad_map(latency: dict[int, float], limit: int) -> tuple[int, ...]:
+    """For n = 1..limit nodes: the block size m in [n, limit] with the lowest measured latency
+    (ties to the smaller block). Measured, not assumed: BLAS kernels favour some row counts."""
+    sizes = sorted(m for m in latency if m <= limit)
+    return tuple(min((m for m in sizes if m >= n), key=lambda m: (latency[m], m))
+                 for n in range(1, limit + 1))

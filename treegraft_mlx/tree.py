@@ -7,19 +7,62 @@ pruning to the verification budget returns a new, smaller tree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .kernels import TreeMask
 
 NEG_INF = float("-inf")
 
 
+NAN = float("nan")
+
+
+@dataclass(frozen=True, eq=False)
+class TreeMask:
+    """Row i of a block sees [0, context) and the block columns whose bit is set in bits[i]:
+    the compact form a tree's mask travels in (the kernels read the bits directly)."""
+
+    context: int
+    bits: np.ndarray  # (rows, words) uint32, little-endian bit order within each word
+
+    @classmethod
+    def from_bool(cls, block: np.ndarray, context: int) -> "TreeMask":
+        """From a (rows, rows) boolean block mask."""
+        rows = block.shape[0]
+        words = max(1, -(-rows // 32))
+        padded = np.zeros((rows, words * 32), dtype=bool)
+        padded[:, :rows] = block
+        packed = np.packbits(padded, axis=1, bitorder="little")
+        return cls(context, np.ascontiguousarray(packed).view(np.uint32).reshape(rows, words))
+
+    @property
+    def rows(self) -> int:
+        return self.bits.shape[0]
+
+    def block(self) -> np.ndarray:
+        """The (rows, rows) boolean block mask these bits encode."""
+        unpacked = np.unpackbits(self.bits.view(np.uint8), axis=1, bitorder="little")
+        return unpacked[:, :self.rows].astype(bool)
+
+    def dense(self) -> np.ndarray:
+        """(rows, context + rows) boolean: every committed position, then the block."""
+        m = np.ones((self.rows, self.context + self.rows), dtype=bool)
+        m[:, self.context:] = self.block()
+        return m
+
+
 @dataclass
 class DraftTree:
-    """Token, parent, depth and cumulative score per node, plus what the n-gram drafter keeps."""
+    """Token, parent, depth and cumulative score per node, plus the drafters' evidence.
+
+    The evidence is what the per-step size choice estimates acceptance from (acceptance.py):
+    the n-gram drafter's match length, votes (continuations through the node) and the target's
+    recorded log-prob of the token where the match was seen; the strong drafter's log-prob of
+    the token at its parent and its rank there, once it has run on the parent (NaN before)."""
 
     token: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)
@@ -28,19 +71,28 @@ class DraftTree:
     match_len: list[int] = field(default_factory=list)   # longest n-gram match that proposed it
     match_pos: list[int] = field(default_factory=list)   # most recent matched position, -1 if none
     terminated: list[bool] = field(default_factory=list)  # n-gram search found too few branches
+    ngram_lp: list[float] = field(default_factory=list)   # target's recorded log-prob at the match
+    votes: list[int] = field(default_factory=list)        # n-gram continuations through the node
+    draft_lp: list[float] = field(default_factory=list)   # strong drafter's log-prob (NaN: not run)
+    draft_rank: list[int] = field(default_factory=list)   # its rank among the drafter's top-k
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     kids: dict[int, list[int]] = field(default_factory=dict)  # parent -> children, in order
+
+    NODE_FIELDS = ("token", "parent", "depth", "score", "match_len", "match_pos", "terminated",
+                   "ngram_lp", "votes", "draft_lp", "draft_rank")
 
     @classmethod
     def rooted_at(cls, token: int) -> "DraftTree":
         t = cls()
-        t._append(token, -1, 0, 0.0, 0, -1)
+        t._append(token, -1, 0, 0.0)
         return t
 
     def __len__(self) -> int:
         return len(self.token)
 
-    def _append(self, token, parent, depth, score, match_len, match_pos) -> int:
+    def _append(self, token: int, parent: int, depth: int, score: float, match_len: int = 0,
+                match_pos: int = -1, ngram_lp: float = NAN, votes: int = 0,
+                draft_lp: float = NAN, draft_rank: int = -1) -> int:
         self.token.append(int(token))
         self.parent.append(int(parent))
         self.depth.append(int(depth))
@@ -48,12 +100,15 @@ class DraftTree:
         self.match_len.append(int(match_len))
         self.match_pos.append(int(match_pos))
         self.terminated.append(False)
+        self.ngram_lp.append(float(ngram_lp))
+        self.votes.append(int(votes))
+        self.draft_lp.append(float(draft_lp))
+        self.draft_rank.append(int(draft_rank))
         return len(self.token) - 1
 
     def copy(self) -> "DraftTree":
         """An independent copy (to try another way of building the rest of it)."""
-        return DraftTree(list(self.token), list(self.parent), list(self.depth), list(self.score),
-                         list(self.match_len), list(self.match_pos), list(self.terminated),
+        return DraftTree(*(list(getattr(self, f)) for f in self.NODE_FIELDS),
                          dict(self.children), {p: list(c) for p, c in self.kids.items()})
 
     def child(self, parent: int, token: int) -> int:
@@ -61,16 +116,21 @@ class DraftTree:
         return self.children.get((parent, int(token)), -1)
 
     def add(self, parent: int, token: int, score: float, match_len: int = 0,
-            match_pos: int = -1) -> int:
-        """Add a child, or merge into the existing one: it keeps the max score and best match."""
+            match_pos: int = -1, ngram_lp: Optional[float] = None) -> int:
+        """Add a child, or merge into the existing one: it keeps the max score and best match.
+        `ngram_lp` (given by the n-gram drafter) counts one vote and keeps the best log-prob."""
         i = self.child(parent, token)
-        if i >= 0:
+        if i < 0:
+            i = self._append(token, parent, self.depth[parent] + 1, score, match_len, match_pos)
+            self._link(parent, i)
+        else:
             self.score[i] = max(self.score[i], float(score))
             if (match_len, match_pos) > (self.match_len[i], self.match_pos[i]):
                 self.match_len[i], self.match_pos[i] = int(match_len), int(match_pos)
-            return i
-        i = self._append(token, parent, self.depth[parent] + 1, score, match_len, match_pos)
-        self._link(parent, i)
+        if ngram_lp is not None:
+            self.votes[i] += 1
+            old = self.ngram_lp[i]
+            self.ngram_lp[i] = float(ngram_lp) if math.isnan(old) else max(old, float(ngram_lp))
         return i
 
     def _link(self, parent: int, child: int) -> None:
@@ -91,10 +151,24 @@ class DraftTree:
         for old in keep:
             old = int(old)
             p = self.parent[old]
-            t._append(self.token[old], new_index[p] if p >= 0 else -1, self.depth[old],
-                      self.score[old], self.match_len[old], self.match_pos[old])
-            if p >= 0:
-                t._link(new_index[p], len(t) - 1)
+            values = [getattr(self, f)[old] for f in self.NODE_FIELDS]
+            values[1] = new_index.get(p, -1)
+            for f, v in zip(self.NODE_FIELDS, values):
+                getattr(t, f).append(v)
+            if values[1] >= 0:
+                t._link(values[1], len(t) - 1)
+        return t
+
+    def rerooted(self, node: int) -> "DraftTree":
+        """The subtree below `node` (inclusive) as a tree of its own, `node` its root: what is
+        left to verify once the target has committed the path to `node`."""
+        inside = np.zeros(len(self), dtype=bool)
+        inside[node] = True
+        for v in range(node + 1, len(self)):
+            inside[v] = self.parent[v] >= 0 and inside[self.parent[v]]
+        t = self.subtree(np.flatnonzero(inside))
+        base = t.depth[0]
+        t.depth = [d - base for d in t.depth]
         return t
 
 
@@ -144,6 +218,44 @@ def prune(tree: DraftTree, budget: int) -> np.ndarray:
             kept[chain] = True
             count += len(chain)
     return np.flatnonzero(kept)
+
+
+def path_probability(parent, accept: np.ndarray) -> np.ndarray:
+    """P(v) = product of the acceptance estimates a(u) on the path root..v (P(root) = 1): the
+    probability that v is committed, given a(u) = P(u accepted | its parent accepted)."""
+    prob = np.array(accept, dtype=np.float64)
+    prob[0] = 1.0
+    for v in range(1, len(prob)):
+        prob[v] *= prob[parent[v]]
+    return prob
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a step verifies: node indices (ascending, root first) and the tokens it expects to
+    commit (E(S) = 1 + the path probabilities of the drafts in S)."""
+
+    keep: np.ndarray
+    expected: float
+    step_ms: float
+
+
+def plan_verification(tree: DraftTree, accept: np.ndarray, step_ms: np.ndarray,
+                      rate: float) -> Plan:
+    """The ancestor-closed set S that maximises E(S) - rate * step_ms[|S| - 1] (design 9).
+
+    Adding nodes best-first by path probability (ties: shallower, then earlier) gives the best
+    set of every size, and each prefix is ancestor-closed since a child is never more probable
+    than its parent. `rate` is the long-run tokens per ms: maximising E - rate * time per step
+    maximises the long-run rate (a step that expects little is not made to look good by its
+    own ratio). S = {root} (an AR step) is always a candidate."""
+    prob = path_probability(tree.parent, accept)
+    order = np.lexsort((np.arange(len(tree)), np.asarray(tree.depth), -prob))
+    order = order[:len(step_ms)]
+    expected = np.cumsum(prob[order])
+    ms = np.asarray(step_ms[:len(order)], dtype=np.float64)
+    n = int(np.argmax(expected - rate * ms)) + 1
+    return Plan(np.sort(order[:n]), float(expected[n - 1]), float(ms[n - 1]))
 
 
 def ancestor_mask(parent) -> np.ndarray:

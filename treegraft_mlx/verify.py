@@ -1,10 +1,13 @@
 """Verification: one target forward over the pruned tree, then lossless acceptance.
 
 Greedy acceptance follows the target's argmax down the tree. Sampling acceptance treats each
-node's distinct children as deterministic proposals: child x is accepted with probability p(x)
-under the processed target distribution; on rejection p(x) is zeroed and renormalised; when
-all children are rejected the bonus token is drawn from the residual. The output is therefore
-distributed exactly as the target's own samples.
+node's distinct children as deterministic proposals. Recursive rejection over them (accept
+child x with probability p(x) under the processed target distribution; on rejection zero p(x)
+and renormalise; when all are rejected draw the bonus from the residual) accepts each child
+with probability exactly p(x) and otherwise draws the bonus from p: the same as drawing one
+token y ~ p and following the child that carries y, if any. That is what runs, one draw per
+node on the accepted path, on the host: only the rows the walk visits leave the device. The
+output is therefore distributed exactly as the target's own samples.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
-from .sampling import SamplerSettings, draw, target_probs
+from .sampling import SamplerSettings, draw, host_probs
 from .tree import DraftTree, attention_mask, positions
 
 
@@ -54,23 +57,16 @@ def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
 
 def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
                   rng: np.random.Generator) -> Acceptance:
-    """Recursive rejection over distinct children (best-scored first): exactly lossless."""
+    """Draw the target's token at each node from the root down; follow the child that carries
+    it (exactly lossless, see the module docstring); the first draw no child carries is the
+    bonus."""
     node, path = 0, [0]
     while True:
-        p = np.array(target_probs(logits[node], settings), dtype=np.float64)
-        kids = sorted(tree.children_of(node), key=lambda c: (-tree.score[c], c))
-        accepted = -1
-        for c in kids:
-            x = tree.token[c]
-            # p[x] ~ 1 means nothing else is left: accept rather than renormalise zero mass.
-            if p[x] > 0 and (rng.random() < p[x] or p[x] >= 1.0 - 1e-12):
-                accepted = c
-                break
-            p[x] = 0.0
-            p /= p.sum()
-        if accepted < 0:
-            return Acceptance(path, draw(p, rng))
-        node = accepted
+        y = draw(host_probs(np.array(logits[node].astype(mx.float32)), settings), rng)
+        nxt = tree.child(node, y)
+        if nxt < 0:
+            return Acceptance(path, y)
+        node = nxt
         path.append(node)
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..history import History
-from ..tree import DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
+from ..tree import NAN, DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
 
 
 @dataclass
@@ -120,6 +120,11 @@ class ModelDrafter:
         for v in range(1, len(tree)):
             score[v] = score[parent[v]] + edge[v]
         tree.score = [float(s) for s in score]
+        # S's evidence per node, for the acceptance estimates: its log-prob of the token at the
+        # parent and how many of its top-k tokens there it ranks below.
+        rank = (step.top_lp[parent[1:]] > edge[1:, None] + 1e-6).sum(1)
+        tree.draft_lp = [NAN] + edge[1:].tolist()
+        tree.draft_rank = [-1] + rank.tolist()
 
         # Reselect graft parents among all nodes within the lookback of the frontier.
         d_max = max(tree.depth[f] for f in frontier) if frontier else layer - 1
@@ -129,10 +134,12 @@ class ModelDrafter:
         cap = build_cap(self.top_k, self.depth)
         grafted: list[int] = []
         for p in chosen:
-            for tok, lp in zip(step.top_ids[p], step.top_lp[p]):
+            ranks = (step.top_lp[p][None, :] > step.top_lp[p][:, None] + 1e-6).sum(1)
+            for tok, lp, r in zip(step.top_ids[p], step.top_lp[p], ranks):
                 if len(tree) >= cap and tree.child(int(p), int(tok)) < 0:
                     continue
                 c = tree.add(int(p), int(tok), float(score[p] + lp))
+                tree.draft_lp[c], tree.draft_rank[c] = float(lp), int(r)
                 if c not in grafted:
                     grafted.append(c)
         grafted.sort(key=lambda i: (-tree.score[i], i))

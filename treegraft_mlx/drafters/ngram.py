@@ -13,7 +13,6 @@ from ..history import History
 from ..tree import NEG_INF, DraftTree, build_cap
 
 
-
 class NgramIndex:
     """End positions of every n-gram (n = 1..n_max) of a growing token sequence."""
 
@@ -104,12 +103,14 @@ class NgramDrafter:
                 if cont[0] not in firsts and len(firsts) >= self.top_k:
                     continue
                 firsts.add(cont[0])
-                score = tree.score[parent] + history.logprob(end, cont[0])
                 node = parent
                 for j, tok in enumerate(cont):
                     if len(tree) >= cap or tree.depth[node] >= self.depth:
                         break
-                    node = tree.add(node, tok, score if j == 0 else NEG_INF, n, end)
+                    # The target's log-prob of tok where the match saw it (end + j precedes it).
+                    lp = history.logprob(end + j, tok)
+                    score = tree.score[parent] + lp if j == 0 else NEG_INF
+                    node = tree.add(node, tok, score, n, end, ngram_lp=lp)
             if not enough:
                 tree.terminated[parent] = True
         if layer == 1 and len(tree) == 1 and self.index.most_frequent >= 0:

@@ -1,0 +1,116 @@
+"""Logs verification outcomes per drafted node on calibration prompts and fits the acceptance
+estimates (acceptance.py) for one decoding regime.
+
+Each step builds the tree with a random schedule (each layer expanded by the strong drafter
+with probability CALL_PROB), so nodes of every provenance are seen; the target verifies every
+built node (up to MAX_LOGGED_NODES, best-scored first), and each node is labelled with its exact
+conditional acceptance probability: the target's processed probability of the node's token at
+its parent (for greedy decoding 1 if it is the argmax, else 0). The step then commits as
+decoding would, so the text follows the regime's own trajectory. The log is written per prompt
+(`<work>/<regime>.jsonl`), so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .acceptance import calibrate_regime, node_features, regime
+from .engine import TreeBuild, commit
+from .family import Family
+from .sampling import SamplerSettings, target_probs
+from .scheduler import FixedSchedule
+from .session import Session
+from .tree import DraftTree, prune
+from .verify import accept_greedy, accept_sample, verify
+
+CALL_PROB = 0.3
+MAX_LOGGED_NODES = 48
+
+
+def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_tokens: int,
+               rng: np.random.Generator) -> dict:
+    """Features and labels of every verified drafted node while generating up to max_tokens."""
+    cfg, family = session.tree, session.family
+    drafters = [session.ngram] + ([session.strong] if session.strong is not None else [])
+    root = session.prefill(ids, settings, rng)
+    eos = set(family.tokenizer.eos_token_ids)
+    xs, ys, generated = [], [], 0
+    while generated < max_tokens:
+        history = session.history
+        layers = frozenset(j for j in range(1, cfg.depth + 1)
+                           if len(drafters) > 1 and rng.random() < CALL_PROB)
+        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        build.expand(range(1, cfg.depth + 1), FixedSchedule(layers), drafters, cfg, history)
+        tree = build.tree.subtree(prune(build.tree, MAX_LOGGED_NODES))
+        logits = verify(family.target, session.cache, tree, len(tree))
+        parent, token = np.asarray(tree.parent[1:]), np.asarray(tree.token[1:])
+        if len(tree) > 1:
+            probs = target_probs(logits[mx.array(parent)], settings)
+            label = mx.take_along_axis(probs, mx.array(token)[:, None], -1)[:, 0]
+            xs.append(node_features(tree, cfg.n_max, cfg.depth)[1:])
+            ys.append(np.array(label, dtype=np.float64))
+        if settings.greedy:
+            acc = accept_greedy(tree, logits)
+        else:
+            acc = accept_sample(tree, logits, settings, rng)
+        block = commit(session, drafters, tree, logits, acc)
+        generated += len(block)
+        root = acc.bonus
+        if eos & set(block[1:] + [acc.bonus]):
+            break
+    x = np.concatenate(xs) if xs else np.zeros((0, 0))
+    return {"x": x.round(6).tolist(), "y": np.concatenate(ys).round(6).tolist() if ys else []}
+
+
+def read_log(path: Path) -> dict[str, dict]:
+    """Rows per prompt id; a torn last line (an interrupted write) is ignored."""
+    done: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            done[entry["prompt_id"]] = entry
+    return done
+
+
+def calibrate_acceptance(family: Family, prompts: list[dict], work_dir: Path,
+                         settings: SamplerSettings, max_tokens: int = 64, seed: int = 0,
+                         progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Log (resumably) and fit the regime `settings` decodes in; returns its report (weights,
+    held-out log-loss against a constant, reliability per bin)."""
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    name = regime(not settings.greedy)
+    log_file = work_dir / f"{name}.jsonl"
+    done = read_log(log_file)
+    if done and next(iter(done.values())).get("sampling") != vars(settings):
+        raise ValueError(f"{log_file} was logged with other sampling settings; use another "
+                         "work directory")
+    with open(log_file, "a") as f:
+        for i, p in enumerate(prompts):
+            if p["id"] not in done:
+                session = Session(family, family.tree)
+                ids = family.tokenizer.encode(p["prompt"])
+                entry = {"prompt_id": p["id"], "sampling": vars(settings),
+                         **log_prompt(session, ids, settings, max_tokens,
+                                      np.random.default_rng([seed, i]))}
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                done[p["id"]] = entry
+            if progress:
+                progress(1)
+    rows = [(i, done[p["id"]]) for i, p in enumerate(prompts) if done[p["id"]]["y"]]
+    x = np.concatenate([np.asarray(e["x"]) for _, e in rows])
+    y = np.concatenate([np.asarray(e["y"]) for _, e in rows])
+    groups = np.concatenate([np.full(len(e["y"]), i) for i, e in rows])
+    report = calibrate_regime(x, y, groups, seed=seed)
+    report["sampling"] = vars(settings)
+    report["prompts"] = len(rows)
+    return report
