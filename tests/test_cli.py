@@ -28,7 +28,7 @@ def test_generate_json_schema_for_each_strategy():
         r = run("generate", "--prompt", "import os\n\ndef walk(path):\n", "--max-tokens", "24",
                 "--strategy", strategy, "--json")
         assert r.exit_code == 0, r.output
-        out = json.loads(r.output)
+        out = json.loads(r.stdout)
         assert set(out) == FIELDS and out["strategy"] == strategy
         assert out["generation_tokens"] == len(out["token_ids"]) <= 24
         assert out["mean_accepted"] == out["generation_tokens"] / out["steps"]
@@ -99,6 +99,7 @@ def linked_bundle(tmp_path: Path) -> Path:
     manifest = json.loads((src / "treegraft.json").read_text())
     manifest.pop("scheduler", None)
     manifest.pop("scheduler_sampled", None)
+    manifest.pop("acceptance", None)
     (dst / "treegraft.json").write_text(json.dumps(manifest))
     return dst
 
@@ -134,7 +135,7 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     assert r.exit_code == 0, r.output
     r2 = run("generate", "--model", str(bundle), "--prompt", "def f(x):\n", "--max-tokens", "12",
              "--json", "--strategy", "ar")
-    assert json.loads(r.output)["token_ids"] == json.loads(r2.output)["token_ids"]
+    assert json.loads(r.stdout)["token_ids"] == json.loads(r2.stdout)["token_ids"]
 
     r = run("export-coreml", "--model", str(bundle), "--out", str(tmp_path / "s.mlpackage"))
     assert r.exit_code == 0, r.output
@@ -176,3 +177,30 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     r = run("report", "--greedy", str(out), "--readme", str(readme))
     assert r.exit_code == 0, r.output
     assert "| tokens/s |" in readme.read_text() and "AR limit from memory bandwidth" in readme.read_text()
+
+
+def test_calibrate_acceptance_writes_both_regimes_and_resumes(tmp_path):
+    bundle = linked_bundle(tmp_path)
+    prompts = tmp_path / "cal.jsonl"
+    rows = [json.loads(x) for x in SUITE.read_text().splitlines()[:3]]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    work = tmp_path / "acc"
+    args = ["calibrate-acceptance", "--model", str(bundle), "--prompts", str(prompts),
+            "--work-dir", str(work), "--max-tokens", "12", "--write"]
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert "held-out reliability" in r.output
+    r = run(*args, "--temp", "0.7", "--top-p", "0.95")
+    assert r.exit_code == 0, r.output
+    stored = json.loads((bundle / "acceptance.json").read_text())
+    assert {"greedy", "sampled"} <= set(stored)
+    assert stored["sampled"]["sampling"]["temp"] == 0.7
+    assert stored["greedy"]["calibration_prompts"]["prompt_ids"] == [x["id"] for x in rows]
+    assert json.loads((bundle / "treegraft.json").read_text())["acceptance"] == "acceptance.json"
+    lines = (work / "greedy.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert run(*args).exit_code == 0                      # resumed: nothing logged again
+    assert (work / "greedy.jsonl").read_text().splitlines() == lines
+    from treegraft_mlx.acceptance import AcceptanceModel
+
+    assert AcceptanceModel.load(bundle / "acceptance.json").calibrated

@@ -223,7 +223,7 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
 
     calls = []
 
-    def scripted(self, tree):
+    def scripted(self, tree, context):
         calls.append(len(tree))
         whole = len(calls) % 3 != 1             # root alone on every third step
         keep = np.arange(min(len(tree), 6)) if whole else np.arange(1)
@@ -241,3 +241,22 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
         assert out.token_ids == generate(family, prompt, "ar", max_tokens=80).token_ids
     else:
         assert out.token_ids == generate(family, prompt, "ngram", **kw).token_ids
+
+
+def test_call_pricer_learns_when_the_strong_drafter_pays():
+    from treegraft_mlx.engine import CallPricer
+
+    pricer = CallPricer(t_mid_ms=8.0, layers=[1])
+    poor, rich = pricer.bucket(1.0), pricer.bucket(3.0)
+    assert poor == 0 and rich == len(CallPricer.EDGES)
+    rate = 0.05                                            # 8 ms cost 0.4 tokens
+    for _ in range(CallPricer.TRIES):                      # no evidence yet: try it
+        assert pricer.should_call(poor, rate)
+        pricer.observe(poor, 0.1, 8.0)
+    assert pricer.gain[poor] == pytest.approx(0.1)
+    decisions = [pricer.should_call(poor, rate) for _ in range(2 * CallPricer.EXPLORE_EVERY)]
+    assert sum(decisions) == 2 and decisions[CallPricer.EXPLORE_EVERY - 1]   # explores
+    for _ in range(30):                                    # calls turn out to pay
+        pricer.observe(poor, 1.0, 4.0)
+    assert pricer.should_call(poor, rate) and pricer.call_ms == pytest.approx(4.0, abs=0.01)
+    assert pricer.should_call(rich, rate)                  # another bucket: its own evidence

@@ -66,3 +66,21 @@ def test_ar_bound_is_bandwidth_over_weight_bytes():
     bound = R.ar_bound(target, bandwidth_gbs=10.0)
     assert bound["tokens_per_sec"] == pytest.approx(10e9 / bound["weight_bytes"])
     assert 75e6 < bound["weight_bytes"] < 90e6            # 20.45M fp32 parameters
+
+
+def test_mlx_lm_spec_one_k_for_all_prompts_and_the_per_prompt_oracle():
+    runs = [Run("a", "copy", "ar", 0, 100, 100, 1.0, 40.0, [1], rows=100),
+            Run("b", "copy", "ar", 0, 100, 100, 1.0, 40.0, [1], rows=100),
+            Run("a", "copy", "mlx_lm_spec", 0, 100, 0, 0.0, 60.0, [1],
+                per_k={1: [100, 50.0], 2: [100, 60.0]}),
+            Run("b", "copy", "mlx_lm_spec", 0, 100, 0, 0.0, 80.0, [1],
+                per_k={1: [100, 80.0], 2: [100, 40.0]}),
+            Run("a", "copy", "ngram", 0, 100, 40, 2.5, 50.0, [1], rows=160)]
+    s = summarize(runs)["strategies"]
+    # k = 1 for both: 200 tokens in 2 + 1.25 s; the oracle takes k = 2 for a, k = 1 for b.
+    assert s["mlx_lm_spec"]["all"]["tokens_per_sec"] == pytest.approx(200 / 3.25)
+    assert s["mlx_lm_spec"]["all"]["num_draft_tokens"] == 1
+    assert s["mlx_lm_spec_oracle"]["all"]["tokens_per_sec"] == pytest.approx(200 / (100 / 60 + 1.25))
+    assert s["ngram"]["all"]["rows_per_step"] == 4.0 and s["ar"]["all"]["rows_per_step"] == 1.0
+    text = R.strategy_table({"summary": summarize(runs)}, "greedy")
+    assert "| rows verified per step | 1.00 | 4.00 | - | - |" in text

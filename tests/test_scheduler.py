@@ -246,6 +246,9 @@ def test_step_costs_pad_and_price_each_size():
     costs = T.StepCosts((20.0, 24.0, 23.0, 30.0), ar_ms=15.0, overhead_ms=1.0, draft_ms=0.5)
     assert [costs.rows_for(n) for n in (1, 2, 3, 4, 5)] == [1, 3, 3, 4, 5]
     assert costs.step_ms().tolist() == [15.0, 24.0, 24.0, 31.0]
+    # Past the measured context every extra row costs more (padding rows too).
+    far = T.StepCosts((20.0, 24.0, 23.0, 30.0), 15.0, 1.0, 0.5, row_context_ms=0.01)
+    assert far.step_ms(T.LATENCY_CONTEXT + 100).tolist() == pytest.approx([15.0, 26.0, 26.0, 34.0])
 
 
 def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):

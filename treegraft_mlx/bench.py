@@ -264,15 +264,15 @@ def calibrate_tree(family: Family, prompts: list[dict], budgets: list[int], top_
                    progress: Optional[Callable[[int], None]] = None) -> dict:
     """Tokens/s of `strategy` for every (budget, top_k, depth) on calibration prompts.
 
-    In the spirit of Sequoia's hardware-aware trees: the target's verification latency is
+    Every step prunes to the budget here (the paper's way, and what per-step sizing falls
+    back to with `adaptive=False`). In the spirit of Sequoia's hardware-aware trees: the
+    target's verification latency is
     measured here for every block size up to the largest budget (median of repeats), small
     blocks are padded to a faster size where one exists (`verify_pad`), and each tree shape
     runs on this machine; its expected speed is committed tokens / (measured drafting and
     acceptance time + the measured latency of the blocks it verified). The latency table
     keeps one noisy step from picking the shape; wall-clock tokens/s is reported beside it.
     """
-    import dataclasses
-
     limit = max(budgets)
     latency = verification_latency(family.target, sizes=tuple(range(1, limit + 1)), repeats=9)
     pad = pad_map(latency, limit)
@@ -281,7 +281,7 @@ def calibrate_tree(family: Family, prompts: list[dict], budgets: list[int], top_
         for top_k in top_ks:
             for b in budgets:
                 tree = dataclasses.replace(family.tree, budget=b, top_k=top_k, depth=depth,
-                                           verify_pad=pad)
+                                           verify_pad=pad, adaptive=False)
                 tokens, seconds, steps, model_ms = 0, 0.0, 0, 0.0
                 for p in prompts:
                     res = generate(family, p["prompt"], strategy, max_tokens=max_tokens, tree=tree)

@@ -59,7 +59,7 @@ from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedul
 from .session import Session
 from .timing import LatencyCurve, Timing, verification_latency
 from .tree import DraftTree, prune
-from .verify import accept_greedy, accept_sample, expected_path_length, verify
+from .verify import accept, expected_path_length, verify
 
 REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
 EXPLORE_CALL_PROB = 0.5
@@ -137,10 +137,7 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
             spent_ms += 1000 * (time.perf_counter() - t0)
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
         logits = verify(session.family.target, session.cache, tree, cfg.rows_for(len(tree)))
-        if settings.greedy:
-            acc = accept_greedy(tree, logits)
-        else:
-            acc = accept_sample(tree, logits, settings, rng)
+        acc = accept(tree, logits, settings, rng)
         block = commit(session, drafters, tree, logits, acc)
         generated += len(block)
         root = acc.bonus
@@ -149,18 +146,23 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
     return rows
 
 
-def read_dataset(out_dir: Path) -> dict[str, list[dict]]:
-    """Rows per prompt id; a torn last line (an interrupted write) is ignored."""
-    done: dict[str, list[dict]] = {}
-    f = Path(out_dir) / DATASET
-    if f.exists():
-        for line in f.read_text().splitlines():
+def read_entries(path: Path) -> dict[str, dict]:
+    """Entries of a resumable JSONL log, one per prompt id; a torn last line (an interrupted
+    write) is ignored."""
+    done: dict[str, dict] = {}
+    if Path(path).exists():
+        for line in Path(path).read_text().splitlines():
             try:
                 entry = json.loads(line)
             except ValueError:
                 continue
-            done[entry["prompt_id"]] = entry["rows"]
+            done[entry["prompt_id"]] = entry
     return done
+
+
+def read_dataset(out_dir: Path) -> dict[str, list[dict]]:
+    """Rows per prompt id."""
+    return {k: e["rows"] for k, e in read_entries(Path(out_dir) / DATASET).items()}
 
 
 def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,

@@ -20,13 +20,14 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import calibrate_regime, node_features, regime
+from .calibrate import read_entries
 from .engine import TreeBuild, commit
 from .family import Family
 from .sampling import SamplerSettings, target_probs
 from .scheduler import FixedSchedule
 from .session import Session
 from .tree import DraftTree, prune
-from .verify import accept_greedy, accept_sample, verify
+from .verify import accept, verify
 
 CALL_PROB = 0.3
 MAX_LOGGED_NODES = 48
@@ -54,10 +55,7 @@ def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_
             label = mx.take_along_axis(probs, mx.array(token)[:, None], -1)[:, 0]
             xs.append(node_features(tree, cfg.n_max, cfg.depth)[1:])
             ys.append(np.array(label, dtype=np.float64))
-        if settings.greedy:
-            acc = accept_greedy(tree, logits)
-        else:
-            acc = accept_sample(tree, logits, settings, rng)
+        acc = accept(tree, logits, settings, rng)
         block = commit(session, drafters, tree, logits, acc)
         generated += len(block)
         root = acc.bonus
@@ -65,19 +63,6 @@ def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_
             break
     x = np.concatenate(xs) if xs else np.zeros((0, 0))
     return {"x": x.round(6).tolist(), "y": np.concatenate(ys).round(6).tolist() if ys else []}
-
-
-def read_log(path: Path) -> dict[str, dict]:
-    """Rows per prompt id; a torn last line (an interrupted write) is ignored."""
-    done: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            done[entry["prompt_id"]] = entry
-    return done
 
 
 def calibrate_acceptance(family: Family, prompts: list[dict], work_dir: Path,
@@ -89,7 +74,7 @@ def calibrate_acceptance(family: Family, prompts: list[dict], work_dir: Path,
     work_dir.mkdir(parents=True, exist_ok=True)
     name = regime(not settings.greedy)
     log_file = work_dir / f"{name}.jsonl"
-    done = read_log(log_file)
+    done = read_entries(log_file)
     if done and next(iter(done.values())).get("sampling") != vars(settings):
         raise ValueError(f"{log_file} was logged with other sampling settings; use another "
                          "work directory")

@@ -298,7 +298,8 @@ def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quan
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None)
 def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max_tokens, write,
                      json_out) -> None:
-    """Measure verification latency and pick the fastest tree budget, top_k and depth here."""
+    """Measure verification latency and pick the fastest tree budget, top_k and depth here;
+    refresh this device's cached step costs (what per-step sizing prices)."""
     import dataclasses
     from pathlib import Path
 
@@ -321,6 +322,14 @@ def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max
     click.echo("verification latency (ms): " + ", ".join(
         f"n={n}: {ms:.1f}" for n, ms in result["verification_latency_ms"].items()), err=True)
     click.echo(f"verify_pad: {result['verify_pad']}")
+    from .engine import step_costs
+
+    costs = step_costs(family, family.tree, refresh=True)
+    result["step_costs"] = dataclasses.asdict(costs)
+    click.echo(f"step costs (cached for per-step sizing): AR step {costs.ar_ms:.1f} ms, tree "
+               f"step host work {costs.overhead_ms:.1f} ms, n-gram drafting "
+               f"{costs.draft_ms:.2f} ms, +{1000 * costs.row_context_ms:.2f} us per row and "
+               "context token", err=True)
     best = {**result["best"], "verify_pad": tuple(result["verify_pad"])}
     click.echo(f"best: {result['best']}")
     report = {**B.machine_info(), "command": " ".join(sys.argv), **result}
@@ -331,26 +340,39 @@ def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max
         click.echo(f"wrote {best} to {family.path / 'treegraft.json'}")
 
 
+def calibration_options(work_dir: str, what: str):
+    """--prompts, --model, --work-dir, --max-tokens, --seed, --temp, --top-p: shared by the
+    commands that calibrate on prompts."""
+    def wrap(f):
+        for opt in reversed([
+            click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+                         default="benchmarks/prompts/calibration.jsonl", show_default=True,
+                         help="Calibration prompts (keep them out of the benchmark suite)."),
+            click.option("--model", default=None,
+                         help="Bundle (default: the bundled tg-tiny family)."),
+            click.option("--work-dir", type=click.Path(file_okay=False), default=work_dir,
+                         show_default=True, help=f"{what}; rerun to resume."),
+            click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1)),
+            click.option("--seed", default=0, show_default=True, type=int),
+            click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
+                         help="Calibrate for sampling at this temperature (0: greedy)."),
+            click.option("--top-p", default=1.0, show_default=True,
+                         type=click.FloatRange(0.0, 1.0, min_open=True)),
+        ]):
+            f = opt(f)
+        return f
+    return wrap
+
+
 @main.command()
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
-              default="benchmarks/prompts/calibration.jsonl", show_default=True,
-              help="Calibration prompts (keep them out of the benchmark suite).")
-@click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
-@click.option("--work-dir", type=click.Path(file_okay=False), default="calibration-run",
-              show_default=True, help="Dataset and latency curve; rerun to resume.")
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
+@calibration_options("calibration-run", "Dataset and latency curve")
 @click.option("--b0", default=5, show_default=True, type=click.IntRange(1),
               help="Most strong-drafter calls per step while labelling; the runtime budget "
                    "is chosen from the data, at most this.")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
-              help="Calibrate for sampling at this temperature (0: greedy).")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0,
-              min_open=True))
 @click.option("--write", is_flag=True,
               help="Install the artifact in the bundle (scheduler/, or scheduler-sampled/ when "
                    "--temp > 0).")
-def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, write) -> None:
+def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, write) -> None:
     """Label call/skip decisions counterfactually, distil them into the scheduler MLP."""
     from pathlib import Path
 
@@ -410,18 +432,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, b0, seed, temp, top_p, 
 
 
 @main.command("calibrate-acceptance")
-@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
-              default="benchmarks/prompts/calibration.jsonl", show_default=True,
-              help="Calibration prompts (keep them out of the benchmark suite).")
-@click.option("--model", default=None, help="Bundle (default: the bundled tg-tiny family).")
-@click.option("--work-dir", type=click.Path(file_okay=False), default="calibration-acceptance",
-              show_default=True, help="Logged outcomes per regime; rerun to resume.")
-@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(1))
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0.0),
-              help="Calibrate the sampled regime at this temperature (0: greedy).")
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0,
-              min_open=True))
+@calibration_options("calibration-acceptance", "Logged outcomes per regime")
 @click.option("--write", is_flag=True,
               help="Store the regime's weights in the bundle's acceptance.json.")
 def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, top_p,

@@ -36,16 +36,19 @@ from .history import History, host_top_logprobs
 from .sampling import SamplerSettings, sample_token
 from .session import Session
 from .scheduler import FixedSchedule, LayerState, LearnedSchedule, Schedule, parse_layers
-from .timing import (StepCosts, Timing, cached, step_costs_key, timing_key,
+from .timing import (LATENCY_CONTEXT, StepCosts, Timing, cached, step_costs_key, timing_key,
                      verification_latency)
 from .tree import DraftTree, Plan, build_cap, plan_verification, prune
-from .verify import Acceptance, accept_greedy, accept_sample, verify
+from .verify import Acceptance, accept, verify
 
 DEFAULT_CHAIN_K = 4
+NO_CALLS = FixedSchedule(frozenset())
 MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
 RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
-# Without a calibrated scheduler, `treegraft` uses a fixed schedule: the strong drafter on
-# layer 1, the fastest schedule with a strong-drafter call measured on tg-tiny here.
+# Where `treegraft` may call the strong drafter: layer 1 (the learned scheduler's budget b0
+# is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls). With per-step sizing
+# the call is priced (CallPricer); with a fixed budget the learned scheduler decides, or,
+# without one, the call is made on every step.
 DEFAULT_COMBINE_LAYERS = frozenset({1})
 
 
@@ -70,6 +73,7 @@ class Strategy:
     combine_layers: frozenset[int] = frozenset()
     chain_k: int = DEFAULT_CHAIN_K
     learned: bool = False                       # the family's scheduler, if it has one
+    priced: bool = False                        # call when the estimates say it pays
 
     @property
     def needs_strong(self) -> bool:
@@ -77,7 +81,8 @@ class Strategy:
                                         (bool(self.combine_layers) or self.learned))
 
 
-STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-fixed:<layers>")
+STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned",
+                  "treegraft-fixed:<layers>")
 
 
 def parse_strategy(name: str, depth: int = 5) -> Strategy:
@@ -93,6 +98,8 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     if name == "draft":
         return Strategy(name, "tree", frozenset(range(1, depth + 1)))
     if name == "treegraft":
+        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS, learned=True, priced=True)
+    if name == "treegraft-learned":
         return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS, learned=True)
     if name.startswith("treegraft-fixed:"):
         return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
@@ -122,6 +129,13 @@ class Decoder:
         self.sizer = (Sizer(family.acceptance, step_costs(family, session.tree), session.tree,
                             sampled=not settings.greedy)
                       if strategy.kind == "tree" and session.tree.adaptive else None)
+        self.pricer: Optional[CallPricer] = None
+        if self.sizer is not None and strategy.priced and schedule is None:
+            key = ("pricer", not settings.greedy, session.tree)
+            if key not in family.runtime_state:
+                t_mid = scheduler_timing(family, session.tree).t_mid_ms
+                family.runtime_state[key] = CallPricer(t_mid, sorted(strategy.combine_layers))
+            self.pricer = family.runtime_state[key]
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
@@ -192,13 +206,18 @@ class Decoder:
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
             t0 = time.perf_counter()
-            if carried is None:
-                build = self._build(root, history)
+            if carried is not None:
+                full, used, t_schedule = carried, [], 0.0
+                plan = self.sizer.plan(carried, history.committed)
+            elif self.pricer is not None:
+                build, plan = self._priced_build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
             else:
-                full, used, t_schedule = carried, [], 0.0
+                build = self._build(root, history)
+                full, used, t_schedule = build.tree, build.used, build.t_schedule
+                plan = self.sizer.plan(full, history.committed)
             carried = None
-            plan = self.sizer.plan(full)
+            self.sizer.settle(plan)
             t1 = time.perf_counter()
             if queued is None and len(plan.keep) > 1:
                 tree = full.subtree(plan.keep)
@@ -225,16 +244,39 @@ class Decoder:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
+    def _priced_build(self, root: int, history: History) -> tuple["TreeBuild", Plan]:
+        """The n-gram tree, and the tree with a strong-drafter call when the pricer expects
+        the call to pay; the one whose plan is worth more (both planned from drafter-side
+        evidence only). Every call teaches the pricer what it gained."""
+        cfg, pricer, sizer = self.session.tree, self.pricer, self.sizer
+        cheap = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        cheap.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters[:1], cfg, history)
+        plan = sizer.plan(cheap.tree, history.committed)
+        t0 = time.perf_counter()
+        bucket = pricer.bucket(plan.expected)
+        call = pricer.should_call(bucket, sizer.rate)
+        cheap.t_schedule = time.perf_counter() - t0       # the pricer's own work
+        if not call:
+            return cheap, plan
+        t1 = time.perf_counter()
+        called = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        called.expand(range(1, cfg.depth + 1), FixedSchedule(pricer.layers), self.drafters, cfg,
+                      history)
+        call_ms = 1000 * (time.perf_counter() - t1)
+        t1 = time.perf_counter()
+        plan_called = sizer.plan(called.tree, history.committed)
+        gain = sizer.value(plan_called) - sizer.value(plan)
+        pricer.observe(bucket, gain, call_ms)
+        called.t_schedule = cheap.t_schedule + time.perf_counter() - t1
+        return (called, plan_called) if gain > 0 else (cheap, plan)
+
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
         """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`."""
         t1 = time.perf_counter()
         logits = verify(self.target, self.session.cache, tree, rows)
         mx.eval(logits)
         t2 = time.perf_counter()
-        if self.settings.greedy:
-            acc = accept_greedy(tree, logits)
-        else:
-            acc = accept_sample(tree, logits, self.settings, self.rng)
+        acc = accept(tree, logits, self.settings, self.rng)
         block = commit(self.session, self.drafters, tree, logits, acc)
         stats.accepted = len(acc.path) - 1
         stats.t_verify, stats.t_accept = t2 - t1, time.perf_counter() - t2
@@ -286,14 +328,57 @@ class Sizer:
     def __init__(self, acceptance: AcceptanceModel, costs: StepCosts, cfg: TreeConfig,
                  sampled: bool):
         self.acceptance, self.costs, self.cfg, self.sampled = acceptance, costs, cfg, sampled
-        self.step_ms = costs.step_ms()
         self.rate = 1.0 / (costs.ar_ms + costs.draft_ms)
 
-    def plan(self, tree: DraftTree) -> Plan:
+    def plan(self, tree: DraftTree, context: int) -> Plan:
+        """The best subtree to verify after `context` committed tokens."""
         accept = self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
-        plan = plan_verification(tree, accept, self.step_ms, self.rate)
+        return plan_verification(tree, accept, self.costs.step_ms(context), self.rate)
+
+    def value(self, plan: Plan) -> float:
+        """Expected tokens less the step's time priced at the long-run rate."""
+        return plan.expected - self.rate * plan.step_ms
+
+    def settle(self, plan: Plan) -> None:
+        """The step goes ahead with `plan`: the long-run rate moves towards its rate."""
         self.rate += RATE_EMA * (plan.expected / (plan.step_ms + self.costs.draft_ms) - self.rate)
-        return plan
+
+
+class CallPricer:
+    """Prices a strong-drafter call in the size choice's currency (design 9): what the call
+    adds to the best plan's value (expected tokens less time at the long-run rate) is learned
+    from the calls made, per bucket of the n-gram tree's expected tokens (the drafter helps
+    most where the n-gram drafter found little); the call is made iff that gain exceeds its
+    cost at the same rate: the measured time of the calls made (T_mid until there is one).
+    Buckets without evidence are tried, and every EXPLORE_EVERY-th skip in a bucket calls
+    anyway, so an estimate never goes stale. The estimates live on the family (per regime)
+    and keep learning across generations, so decisions depend on what ran before in the
+    process (never on the target's logits: output stays exact)."""
+
+    EDGES = (1.1, 1.4, 1.8, 2.5)       # bucket bounds on the n-gram plan's expected tokens
+    TRIES = 2                          # calls per bucket before its estimate is trusted
+    EXPLORE_EVERY = 16
+    EMA = 0.2
+
+    def __init__(self, t_mid_ms: float, layers: Sequence[int]):
+        self.call_ms, self.layers = t_mid_ms, frozenset(layers)
+        n = len(self.EDGES) + 1
+        self.gain, self.calls, self.skips = [0.0] * n, [0] * n, [0] * n
+
+    def bucket(self, expected: float) -> int:
+        return int(np.searchsorted(self.EDGES, expected, side="right"))
+
+    def should_call(self, bucket: int, rate: float) -> bool:
+        if self.calls[bucket] < self.TRIES or self.gain[bucket] > rate * self.call_ms:
+            return True
+        self.skips[bucket] += 1
+        return self.skips[bucket] % self.EXPLORE_EVERY == 0
+
+    def observe(self, bucket: int, gain: float, call_ms: float) -> None:
+        self.calls[bucket] += 1
+        w = 1.0 / self.calls[bucket] if self.calls[bucket] <= self.TRIES else self.EMA
+        self.gain[bucket] += w * (gain - self.gain[bucket])
+        self.call_ms += self.EMA * (call_ms - self.call_ms)
 
 
 @dataclass
@@ -444,35 +529,44 @@ PROBE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    retur
                 "def mul(a, b):\n")
 PROBE_TOKENS = 48
 LATENCY_REPEATS = 3
+LONG_CONTEXT = 1280        # the second context the row cost is measured at
+ROW_PROBE = 8              # rows of the block measured at both contexts
 
 
 def load(target_path_or_bundle: Union[str, Path], drafters: Sequence = (),
          tree: Optional[TreeConfig] = None, warmup: bool = True, **model_kwargs) -> Family:
     """Load a family (family.load_family) and, with `warmup`, measure what this device's steps
-    cost (and the scheduler's T_tgt/T_mid, when the bundle has one) unless cached, so the first
+    cost (and, with a strong drafter, what a call of it costs) unless cached, so the first
     generation does not pay for it: a few seconds, once per model pair and device."""
     family = load_family(target_path_or_bundle, drafters, tree, **model_kwargs)
     if warmup:
         step_costs(family, family.tree)
-        if family.strong is not None and (family.scheduler_dir or family.sampled_scheduler_dir):
+        if family.strong is not None:
             scheduler_timing(family, family.tree)
     return family
 
 
-def step_costs(family: Family, tree: TreeConfig) -> StepCosts:
-    """This device's step costs for the family (cached; measured on first use)."""
-    return cached(StepCosts, step_costs_key(family, tree), lambda: measure_step_costs(family, tree))
+def step_costs(family: Family, tree: TreeConfig, refresh: bool = False) -> StepCosts:
+    """This device's step costs for the family (cached; measured on first use or on
+    `refresh`, as `treegraft calibrate-budget` does)."""
+    return cached(StepCosts, step_costs_key(family, tree),
+                  lambda: measure_step_costs(family, tree), refresh=refresh)
 
 
 def measure_step_costs(family: Family, tree: TreeConfig,
                        progress: Optional[Callable[[int], None]] = None) -> StepCosts:
-    """The target's latency for every block size up to what a step may verify, a pipelined AR
+    """The target's latency for every block size up to what a step may verify (and for 1 and
+    ROW_PROBE rows after a long context: what a row costs per context token), a pipelined AR
     step, and a tree step's drafting and host work (an n-gram generation with a small fixed
     tree: its verification time beyond the measured forward is the host work)."""
     limit = min(MAX_STEP_ROWS, build_cap(tree.top_k, tree.depth))
-    with _progress(limit + 2, "measuring this device's step costs (once)") as advance:
+    with _progress(limit + 3, "measuring this device's step costs (once)") as advance:
         latency = verification_latency(family.target, sizes=range(1, limit + 1),
                                        repeats=LATENCY_REPEATS, progress=advance)
+        far = min(LONG_CONTEXT, family.target.args.max_position_embeddings - limit - 1)
+        long = verification_latency(family.target, sizes=(1, ROW_PROBE), context=far,
+                                    repeats=LATENCY_REPEATS)
+        advance(1)
         generate(family, PROBE_PROMPT, "ar", max_tokens=8)
         ar = generate(family, PROBE_PROMPT, "ar", max_tokens=PROBE_TOKENS)
         advance(1)
@@ -481,10 +575,14 @@ def measure_step_costs(family: Family, tree: TreeConfig,
                          tree=fixed).step_stats
         advance(1)
     host = [1000 * (s.t_verify + s.t_accept) - latency[s.rows] for s in steps]
+    rows_near = latency[ROW_PROBE] - latency[1]
+    rows_far = long[ROW_PROBE] - long[1]
     return StepCosts(tuple(latency[m] for m in range(1, limit + 1)),
                      ar_ms=1000 / ar.tokens_per_sec,
                      overhead_ms=max(0.0, float(np.median(host))),
-                     draft_ms=float(np.median([1000 * s.t_draft for s in steps])))
+                     draft_ms=float(np.median([1000 * s.t_draft for s in steps])),
+                     row_context_ms=max(0.0, (rows_far - rows_near) / (ROW_PROBE - 1)
+                                        / max(1, far - LATENCY_CONTEXT)))
 
 
 def scheduler_timing(family: Family, tree: TreeConfig) -> Timing:

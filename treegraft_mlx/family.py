@@ -58,6 +58,9 @@ class Family:
     sampled_scheduler_dir: Optional[Path] = None   # one calibrated with sampling, if any
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel.default)
     _schedulers: dict = field(default_factory=dict, repr=False)
+    # What the runtime learns about this family on this device while it runs (the strong
+    # drafter's priced gain, engine.CallPricer), per regime and tree shape.
+    runtime_state: dict = field(default_factory=dict, repr=False)
 
     def scheduler(self, sampled: bool = False) -> Optional[tuple]:
         """(SchedulerMLP, metadata) of the bundle's scheduler for greedy or sampled decoding

@@ -69,6 +69,8 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
     rows.append("| vs ar | " + " | ".join(cell(s, "all", "speedup_vs_ar", ".2f") + "x" for s in strats) + " |")
     rows.append("| tokens per target forward | "
                 + " | ".join(cell(s, "all", "mean_accepted", ".2f") for s in strats) + " |")
+    rows.append("| rows verified per step | "
+                + " | ".join(cell(s, "all", "rows_per_step", ".2f") for s in strats) + " |")
     if any(summary["strategies"][s].get("all", {}).get("schedule_s") for s in strats):
         rows.append("| scheduler decisions, share of time (categories min-max) | "
                     + " | ".join(decision_share(summary["strategies"][s]) for s in strats) + " |")

@@ -39,6 +39,9 @@ class StepCosts:
     ar_ms: float                    # one pipelined AR step (the step that verifies the root alone)
     overhead_ms: float              # a tree step's host work besides the forward
     draft_ms: float                 # one step's n-gram drafting
+    # ms each row past the first adds per committed token past LATENCY_CONTEXT: attention
+    # over a long context makes rows dearer (measured at two contexts).
+    row_context_ms: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "latency_ms", tuple(float(x) for x in self.latency_ms))
@@ -50,10 +53,12 @@ class StepCosts:
             return n
         return min(range(n, len(self.latency_ms) + 1), key=lambda m: (self.latency_ms[m - 1], m))
 
-    def step_ms(self) -> np.ndarray:
-        """[n - 1]: ms of a step that verifies n nodes (n = 1: an AR step), drafting excluded."""
-        tree = [self.latency_ms[self.rows_for(n) - 1] + self.overhead_ms
-                for n in range(2, len(self.latency_ms) + 1)]
+    def step_ms(self, context: int = LATENCY_CONTEXT) -> np.ndarray:
+        """[n - 1]: ms of a step that verifies n nodes (n = 1: an AR step) after `context`
+        committed tokens, drafting excluded."""
+        extra = self.row_context_ms * (context - LATENCY_CONTEXT)
+        tree = [self.latency_ms[m - 1] + self.overhead_ms + (m - 1) * extra
+                for m in map(self.rows_for, range(2, len(self.latency_ms) + 1))]
         return np.array([self.ar_ms, *tree])
 
 
@@ -85,15 +90,16 @@ R = TypeVar("R", Timing, StepCosts)
 
 
 def cached(cls: type[R], key: str, measure: Callable[[], R],
-           cache_file: Optional[Path] = None) -> R:
-    """The record stored under `key`, measured (and stored) on first use. A damaged cache is
-    re-measured, never trusted; a read-only home only costs the measurement again next time."""
+           cache_file: Optional[Path] = None, refresh: bool = False) -> R:
+    """The record stored under `key`, measured (and stored) on first use or when `refresh`.
+    A damaged cache is re-measured, never trusted; a read-only home only costs the
+    measurement again next time."""
     cache_file = Path(cache_file or default_cache_file())
     table = {}
     if cache_file.exists():
         try:
             table = json.loads(cache_file.read_text())
-            if key in table:
+            if key in table and not refresh:
                 return cls(**table[key])
         except (OSError, ValueError, TypeError):
             table = {}

@@ -70,6 +70,14 @@ def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
         path.append(node)
 
 
+def accept(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
+           rng: np.random.Generator) -> Acceptance:
+    """The regime's rule: greedy or lossless sampled acceptance."""
+    if settings.greedy:
+        return accept_greedy(tree, logits)
+    return accept_sample(tree, logits, settings, rng)
+
+
 def expected_path_length(tree: DraftTree, probs: np.ndarray) -> float:
     """Expected len(path) (root + accepted drafts) of the acceptance rules above, given the
     processed target distribution per node (N, V): a child is accepted exactly when the
