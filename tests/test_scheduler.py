@@ -231,7 +231,7 @@ def test_costs_are_measured_once_per_key_and_a_damaged_cache_is_remeasured(famil
     assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     assert len(measured) == 1
-    costs = T.StepCosts((20.0, 24.0, 23.0), 15.0, 1.0, 0.5)
+    costs = T.StepCosts((1, 2, 3), (20.0, 24.0, 23.0), 15.0, 1.0, 0.5)
     steps_key = T.step_costs_key(family, family.tree)
     assert steps_key != key
     assert T.cached(T.StepCosts, steps_key, lambda: costs, cache) == costs
@@ -243,12 +243,13 @@ def test_costs_are_measured_once_per_key_and_a_damaged_cache_is_remeasured(famil
 
 
 def test_step_costs_pad_and_price_each_size():
-    costs = T.StepCosts((20.0, 24.0, 23.0, 30.0), ar_ms=15.0, overhead_ms=1.0, draft_ms=0.5)
-    assert [costs.rows_for(n) for n in (1, 2, 3, 4, 5)] == [1, 3, 3, 4, 5]
-    assert costs.step_ms().tolist() == [15.0, 24.0, 24.0, 31.0]
+    costs = T.StepCosts((1, 2, 3, 4, 6), (20.0, 24.0, 23.0, 30.0, 29.0), ar_ms=15.0,
+                        overhead_ms=1.0, draft_ms=0.5)
+    assert [costs.rows_for(n) for n in (1, 2, 3, 4, 5, 6, 7)] == [1, 3, 3, 6, 6, 6, 7]
+    assert costs.step_ms().tolist() == [15.0, 24.0, 24.0, 30.0, 30.0, 30.0]
     # Past the measured context every extra row costs more (padding rows too).
-    far = T.StepCosts((20.0, 24.0, 23.0, 30.0), 15.0, 1.0, 0.5, row_context_ms=0.01)
-    assert far.step_ms(T.LATENCY_CONTEXT + 100).tolist() == pytest.approx([15.0, 26.0, 26.0, 34.0])
+    far = T.StepCosts((1, 2, 3), (20.0, 24.0, 23.0), 15.0, 1.0, 0.5, row_context_ms=0.01)
+    assert far.step_ms(T.LATENCY_CONTEXT + 100).tolist() == pytest.approx([15.0, 26.0, 26.0])
 
 
 def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):
@@ -259,7 +260,7 @@ def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(E, "measure_timing",
                         lambda fam, tree: measured.append("timing") or T.Timing(33.0, 4.0))
     monkeypatch.setattr(E, "measure_step_costs", lambda fam, tree: measured.append("steps")
-                        or T.StepCosts((20.0, 24.0), 15.0, 1.0, 0.5))
+                        or T.StepCosts((1, 2), (20.0, 24.0), 15.0, 1.0, 0.5))
     load(fixture_path(), warmup=False)
     assert measured == []
     family = load(fixture_path())

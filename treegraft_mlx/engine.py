@@ -45,6 +45,7 @@ DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
 MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
 RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
+DRAFT_EXPLORE_EVERY = 4    # while drafting does not pay, still draft one step in this many
 # Where `treegraft` may call the strong drafter: layer 1 (the learned scheduler's budget b0
 # is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls). With per-step sizing
 # the call is priced (CallPricer); with a fixed budget the learned scheduler decides, or,
@@ -206,9 +207,13 @@ class Decoder:
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
             t0 = time.perf_counter()
+            fresh = carried is None and self.sizer.worth_drafting()
             if carried is not None:
                 full, used, t_schedule = carried, [], 0.0
                 plan = self.sizer.plan(carried, history.committed)
+            elif not fresh:
+                full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
+                plan = self.sizer.plan(full, history.committed)
             elif self.pricer is not None:
                 build, plan = self._priced_build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
@@ -217,8 +222,8 @@ class Decoder:
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
                 plan = self.sizer.plan(full, history.committed)
             carried = None
-            self.sizer.settle(plan)
             t1 = time.perf_counter()
+            self.sizer.settle(plan, 1000 * (t1 - t0) if fresh else None)
             if queued is None and len(plan.keep) > 1:
                 tree = full.subtree(plan.keep)
                 rows = self.sizer.costs.rows_for(len(tree))
@@ -329,9 +334,16 @@ class Sizer:
                  sampled: bool):
         self.acceptance, self.costs, self.cfg, self.sampled = acceptance, costs, cfg, sampled
         self.rate = 1.0 / (costs.ar_ms + costs.draft_ms)
+        # What drafting a step is worth (the plan's value over the root alone's) and costs
+        # (ms), as moving averages over the steps that drafted; None until one has.
+        self.draft_gain: Optional[float] = None
+        self.draft_ms = costs.draft_ms
+        self.skipped = 0
 
     def plan(self, tree: DraftTree, context: int) -> Plan:
         """The best subtree to verify after `context` committed tokens."""
+        if len(tree) == 1:                       # nothing drafted: an AR step
+            return Plan(np.zeros(1, dtype=np.int64), 1.0, self.costs.ar_ms)
         accept = self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
         return plan_verification(tree, accept, self.costs.step_ms(context), self.rate)
 
@@ -339,9 +351,26 @@ class Sizer:
         """Expected tokens less the step's time priced at the long-run rate."""
         return plan.expected - self.rate * plan.step_ms
 
-    def settle(self, plan: Plan) -> None:
-        """The step goes ahead with `plan`: the long-run rate moves towards its rate."""
+    def settle(self, plan: Plan, draft_ms: Optional[float] = None) -> None:
+        """The step goes ahead with `plan`: the long-run rate moves towards its rate; a step
+        that drafted (`draft_ms`) also teaches what drafting gains and costs."""
         self.rate += RATE_EMA * (plan.expected / (plan.step_ms + self.costs.draft_ms) - self.rate)
+        if draft_ms is not None:
+            gain = self.value(plan) - (1.0 - self.rate * self.costs.ar_ms)
+            self.draft_gain = gain if self.draft_gain is None else (
+                self.draft_gain + RATE_EMA * (gain - self.draft_gain))
+            self.draft_ms += RATE_EMA * (draft_ms - self.draft_ms)
+
+    def worth_drafting(self) -> bool:
+        """Draft this step iff what drafting has gained (tokens, per step) exceeds its cost at
+        the long-run rate; when it does not, still every DRAFT_EXPLORE_EVERY-th step, so the
+        estimate follows the text (sampling rarely accepts n-gram drafts: most of its steps
+        are AR steps, and on a CPU that cannot overlap drafting with the forward, drafting
+        them would cost more than the few trees worth verifying gain)."""
+        if self.draft_gain is None or self.draft_gain > self.rate * self.draft_ms:
+            return True
+        self.skipped += 1
+        return self.skipped % DRAFT_EXPLORE_EVERY == 0
 
 
 class CallPricer:
@@ -527,9 +556,12 @@ def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwar
 # n-gram tree fills up.
 PROBE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                 "def mul(a, b):\n")
-PROBE_TOKENS = 48
+PROBE_TOKENS = 32
 LATENCY_REPEATS = 3
 LONG_CONTEXT = 1280        # the second context the row cost is measured at
+# Block sizes the latency table measures: every small one (where trees are chosen and kernels
+# switch), then a few larger ones that bigger trees are padded up to.
+MEASURED_ROWS = (*range(1, 13), 16, 20, 24, 28)
 ROW_PROBE = 8              # rows of the block measured at both contexts
 
 
@@ -557,16 +589,17 @@ def measure_step_costs(family: Family, tree: TreeConfig,
                        progress: Optional[Callable[[int], None]] = None) -> StepCosts:
     """The target's latency for every block size up to what a step may verify (and for 1 and
     ROW_PROBE rows after a long context: what a row costs per context token), a pipelined AR
-    step, and a tree step's drafting and host work (an n-gram generation with a small fixed
-    tree: its verification time beyond the measured forward is the host work)."""
+    step, and a tree step's drafting and host work (acceptance and commit, from an n-gram
+    generation with a small fixed tree)."""
     limit = min(MAX_STEP_ROWS, build_cap(tree.top_k, tree.depth))
-    with _progress(limit + 3, "measuring this device's step costs (once)") as advance:
-        latency = verification_latency(family.target, sizes=range(1, limit + 1),
-                                       repeats=LATENCY_REPEATS, progress=advance)
+    sizes = [m for m in MEASURED_ROWS if m < limit] + [limit]
+    rounds = LATENCY_REPEATS + 1
+    with _progress(2 * rounds + 2, "measuring this device's step costs (once)") as advance:
+        latency = verification_latency(family.target, sizes=sizes, repeats=LATENCY_REPEATS,
+                                       progress=advance)
         far = min(LONG_CONTEXT, family.target.args.max_position_embeddings - limit - 1)
         long = verification_latency(family.target, sizes=(1, ROW_PROBE), context=far,
-                                    repeats=LATENCY_REPEATS)
-        advance(1)
+                                    repeats=LATENCY_REPEATS, progress=advance)
         generate(family, PROBE_PROMPT, "ar", max_tokens=8)
         ar = generate(family, PROBE_PROMPT, "ar", max_tokens=PROBE_TOKENS)
         advance(1)
@@ -574,12 +607,11 @@ def measure_step_costs(family: Family, tree: TreeConfig,
         steps = generate(family, PROBE_PROMPT, "ngram", max_tokens=PROBE_TOKENS,
                          tree=fixed).step_stats
         advance(1)
-    host = [1000 * (s.t_verify + s.t_accept) - latency[s.rows] for s in steps]
     rows_near = latency[ROW_PROBE] - latency[1]
     rows_far = long[ROW_PROBE] - long[1]
-    return StepCosts(tuple(latency[m] for m in range(1, limit + 1)),
+    return StepCosts(tuple(sizes), tuple(latency[m] for m in sizes),
                      ar_ms=1000 / ar.tokens_per_sec,
-                     overhead_ms=max(0.0, float(np.median(host))),
+                     overhead_ms=float(np.median([1000 * s.t_accept for s in steps])),
                      draft_ms=float(np.median([1000 * s.t_draft for s in steps])),
                      row_context_ms=max(0.0, (rows_far - rows_near) / (ROW_PROBE - 1)
                                         / max(1, far - LATENCY_CONTEXT)))

@@ -14,6 +14,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
@@ -35,7 +36,8 @@ class Timing:
 class StepCosts:
     """What one decoding step costs here, by the number of tree nodes it verifies."""
 
-    latency_ms: tuple[float, ...]   # [m - 1]: one target forward over a block of m rows
+    sizes: tuple[int, ...]          # the block sizes measured (ascending, 1 first)
+    latency_ms: tuple[float, ...]   # one target forward over a block of each size
     ar_ms: float                    # one pipelined AR step (the step that verifies the root alone)
     overhead_ms: float              # a tree step's host work besides the forward
     draft_ms: float                 # one step's n-gram drafting
@@ -44,22 +46,33 @@ class StepCosts:
     row_context_ms: float = 0.0
 
     def __post_init__(self):
+        object.__setattr__(self, "sizes", tuple(int(x) for x in self.sizes))
         object.__setattr__(self, "latency_ms", tuple(float(x) for x in self.latency_ms))
+
+    @property
+    def max_rows(self) -> int:
+        return self.sizes[-1]
 
     def rows_for(self, n: int) -> int:
         """The block size to verify n nodes with: the fastest measured size >= n (BLAS kernels
         favour some row counts), n itself past the table."""
-        if n > len(self.latency_ms):
-            return n
-        return min(range(n, len(self.latency_ms) + 1), key=lambda m: (self.latency_ms[m - 1], m))
+        fits = [(ms, m) for m, ms in zip(self.sizes, self.latency_ms) if m >= n]
+        return min(fits)[1] if fits else n
 
     def step_ms(self, context: int = LATENCY_CONTEXT) -> np.ndarray:
         """[n - 1]: ms of a step that verifies n nodes (n = 1: an AR step) after `context`
-        committed tokens, drafting excluded."""
-        extra = self.row_context_ms * (context - LATENCY_CONTEXT)
-        tree = [self.latency_ms[m - 1] + self.overhead_ms + (m - 1) * extra
-                for m in map(self.rows_for, range(2, len(self.latency_ms) + 1))]
-        return np.array([self.ar_ms, *tree])
+        committed tokens, for n up to the largest measured block; drafting excluded."""
+        base, extra_rows = self._table
+        return base + extra_rows * (self.row_context_ms * (context - LATENCY_CONTEXT))
+
+    @cached_property
+    def _table(self) -> tuple[np.ndarray, np.ndarray]:
+        """step_ms at LATENCY_CONTEXT, and the rows past the first each step verifies (what
+        a longer context makes dearer): computed once, read on every step."""
+        latency = dict(zip(self.sizes, self.latency_ms))
+        rows = [self.rows_for(n) for n in range(2, self.max_rows + 1)]
+        base = [self.ar_ms] + [latency[m] + self.overhead_ms for m in rows]
+        return np.array(base), np.array([0] + [m - 1 for m in rows], dtype=np.float64)
 
 
 def default_cache_file() -> Path:
@@ -118,24 +131,27 @@ def cached(cls: type[R], key: str, measure: Callable[[], R],
 def verification_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128),
                          context: int = LATENCY_CONTEXT, repeats: int = 5,
                          progress: Optional[Callable[[int], None]] = None) -> dict[int, float]:
-    """Median ms of one target forward over n tree nodes (a chain) after `context` tokens."""
+    """Median ms of one target forward over n tree nodes (a chain) after `context` tokens.
+    The sizes are measured in rounds (one forward of each per round, after a warm-up round),
+    so that drift on a busy machine falls on every size alike; `progress` advances per round."""
     cache = target.make_cache()
     target(mx.array([list(range(3, 3 + context))]), cache=cache)
     cache.commit()
-    out = {}
+    blocks = {}
     for n in sizes:
         parent = list(range(-1, n - 1))
-        tokens = mx.array([[7] * n])
-        pos, mask = positions(parent, context), attention_mask(parent, context)
-        times = []
-        for _ in range(repeats + 1):
+        blocks[n] = (mx.array([[7] * n]), positions(parent, context),
+                     attention_mask(parent, context))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):
+        for n, (tokens, pos, mask) in blocks.items():
             t0 = time.perf_counter()
             mx.eval(target(tokens, cache=cache, positions=pos, mask=mask))
-            times.append(time.perf_counter() - t0)
-        out[n] = statistics.median(times[1:]) * 1000
+            if round_:
+                times[n].append(time.perf_counter() - t0)
         if progress:
             progress(1)
-    return out
+    return {n: statistics.median(t) * 1000 for n, t in times.items()}
 
 
 class LatencyCurve:
