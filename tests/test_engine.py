@@ -1,5 +1,6 @@
 """Engine: exact greedy output for every strategy, exact stopping, drafter cache sync."""
 
+import dataclasses
 from pathlib import Path
 
 import mlx.core as mx
@@ -200,7 +201,9 @@ def test_batched_decisions_build_the_same_trees_as_layer_by_layer(family):
         value = learned.mlp.value
         learned.mlp.value = lambda x: (evaluations.append(1), value(x))[1]
         schedule = learned if mode == "batched" else OneByOne(learned)
-        dec = Decoder(Session(family), parse_strategy("treegraft"), SamplerSettings(),
+        # A fixed budget: per-step sizing learns from drafting times, which differ here.
+        fixed = dataclasses.replace(family.tree, adaptive=False)
+        dec = Decoder(Session(family, fixed), parse_strategy("treegraft"), SamplerSettings(),
                       np.random.default_rng(0), schedule)
         steps = dec.steps(family.tokenizer.encode(prompt))
         blocks = [next(steps) for _ in range(24)]
@@ -260,3 +263,23 @@ def test_call_pricer_learns_when_the_strong_drafter_pays():
         pricer.observe(poor, 1.0, 4.0)
     assert pricer.should_call(poor, rate) and pricer.call_ms == pytest.approx(4.0, abs=0.01)
     assert pricer.should_call(rich, rate)                  # another bucket: its own evidence
+
+
+def test_drafting_stops_when_it_does_not_pay_and_still_explores():
+    from treegraft_mlx.acceptance import AcceptanceModel
+    from treegraft_mlx.engine import DRAFT_EXPLORE_EVERY, Sizer
+    from treegraft_mlx.family import TreeConfig
+    from treegraft_mlx.timing import StepCosts
+    from treegraft_mlx.tree import Plan
+
+    costs = StepCosts((1, 2), (20.0, 22.0), ar_ms=20.0, overhead_ms=1.0, draft_ms=1.0)
+    sizer = Sizer(AcceptanceModel.default(), costs, TreeConfig(), sampled=True)
+    root_only = Plan(np.zeros(1, dtype=np.int64), 1.0, 20.0)
+    assert sizer.worth_drafting()                          # nothing known yet
+    for _ in range(50):                                    # drafts that never beat an AR step
+        sizer.settle(root_only, draft_ms=1.0)
+    decisions = [sizer.worth_drafting() for _ in range(4 * DRAFT_EXPLORE_EVERY)]
+    assert sum(decisions) == 4                             # one step in DRAFT_EXPLORE_EVERY
+    for _ in range(50):                                    # drafts worth 1.5 tokens a step
+        sizer.settle(Plan(np.arange(2), 2.5, 23.0), draft_ms=1.0)
+    assert all(sizer.worth_drafting() for _ in range(10))

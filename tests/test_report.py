@@ -84,3 +84,16 @@ def test_mlx_lm_spec_one_k_for_all_prompts_and_the_per_prompt_oracle():
     assert s["ngram"]["all"]["rows_per_step"] == 4.0 and s["ar"]["all"]["rows_per_step"] == 1.0
     text = R.strategy_table({"summary": summarize(runs)}, "greedy")
     assert "| rows verified per step | 1.00 | 4.00 | - | - |" in text
+
+
+def test_reliability_table_from_the_bundled_acceptance_file():
+    import json
+
+    acceptance = json.loads((fixture_path() / "acceptance.json").read_text())
+    text = R.reliability_section(acceptance)
+    g = acceptance["greedy"]["heldout"]["reliability"][0]
+    assert f"| [0.0, 0.1) | {g['predicted']:.3f} / {g['observed']:.3f} ({g['nodes']})" in text
+    assert "sampled: predicted / observed" in text
+    assert f"{acceptance['sampled']['rows']} nodes" in text
+    section = R.results_section({"greedy": fake_report()}, acceptance)
+    assert section.endswith(text)

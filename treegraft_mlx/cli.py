@@ -513,10 +513,12 @@ def export_coreml(model, scheduler_dir, sampled, out) -> None:
               help="bench JSON of the greedy run.")
 @click.option("--sampled", type=click.Path(exists=True, dir_okay=False), default=None,
               help="bench JSON of the sampled run.")
+@click.option("--acceptance", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A bundle's acceptance.json: add its reliability table.")
 @click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Rewrite this README's generated results block.")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None)
-def report(greedy, sampled, readme, plot_out) -> None:
+def report(greedy, sampled, acceptance, readme, plot_out) -> None:
     """Results tables (and plot) from committed bench JSON files."""
     from pathlib import Path
 
@@ -524,7 +526,8 @@ def report(greedy, sampled, readme, plot_out) -> None:
 
     paths = {"greedy": Path(greedy), **({"sampled": Path(sampled)} if sampled else {})}
     reports = R.load_reports(paths)
-    section = R.results_section(reports)
+    section = R.results_section(reports, json.loads(Path(acceptance).read_text())
+                                if acceptance else None)
     if readme:
         try:
             R.update_readme(Path(readme), section)

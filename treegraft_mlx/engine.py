@@ -1,4 +1,4 @@
-"""The decoding loop: draft tree (drafters) -> prune -> verify (target) -> accept -> compact.
+"""The decoding loop: draft tree (drafters) -> size -> verify (target) -> accept -> compact.
 
 Every strategy is a generator of committed token blocks, one per target forward, so stopping,
 streaming and statistics are shared (generate.stream). Strategies by name:
@@ -7,10 +7,18 @@ streaming and statistics are shared (generate.stream). Strategies by name:
   chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
   ngram                   endpoint W: the n-gram drafter builds every layer
   draft                   endpoint S: the strong drafter expands every layer
-  treegraft               the shared tree; the family's learned scheduler decides each layer
-                          (its sampling-calibrated one when sampling, if the bundle has one)
-                          (without a calibrated scheduler: the default fixed schedule)
+  treegraft               the shared tree; the strong drafter expands layer 1 when the
+                          acceptance estimates price its call above its cost (CallPricer)
+  treegraft-learned       the family's learned scheduler decides each layer (its sampling-
+                          calibrated one when sampling, if the bundle has one)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
+
+Tree strategies size every step (Sizer, design 9): the step verifies the subtree its drafts
+are worth on this device, the root alone being a pipelined AR step. With
+`TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
+What the sizing and the pricer learn while running (the worth of drafting, of a call) follows
+measured drafting times, so a seeded sampled run can differ between runs (never in its
+distribution); a fixed budget repeats exactly.
 
 Mean accepted length := generated tokens / target forwards after prefill (tokens per step).
 """

@@ -90,9 +90,10 @@ def decision_share(by_category: dict) -> str:
     return f"{by_category['all']['schedule_share']:.1%} ({min(shares):.1%}-{max(shares):.1%})"
 
 
-def results_section(reports: dict[str, dict]) -> str:
-    """The README section: provenance, the AR bound, then one table per regime. The loop share
-    shown is the target's greedy one (from the greedy report when there is one)."""
+def results_section(reports: dict[str, dict], acceptance: Optional[dict] = None) -> str:
+    """The README section: provenance, the AR bound, then one table per regime (and the
+    acceptance estimates' reliability, when given). The loop share shown is the target's
+    greedy one (from the greedy report when there is one)."""
     parts = []
     greedy = reports.get("greedy")
     loops = greedy["summary"].get("ar_loop_share") if greedy else None
@@ -112,7 +113,34 @@ def results_section(reports: dict[str, dict]) -> str:
                          f"{bound['tokens_per_sec']:.1f} tokens/s; measured ar "
                          f"{ar.get('tokens_per_sec', 0):.1f} tokens/s.")
         parts.append(strategy_table(report, regime, loops))
+    if acceptance:
+        parts.append(reliability_section(acceptance))
     return "\n\n".join(parts)
+
+
+def reliability_section(acceptance: dict) -> str:
+    """Markdown: held-out predicted vs observed acceptance per bin, one column pair per regime
+    (from a bundle's acceptance.json)."""
+    regimes = [r for r in ("greedy", "sampled") if r in acceptance]
+    head = "| predicted a(v) | " + " | ".join(
+        f"{r}: predicted / observed (nodes)" for r in regimes) + " |"
+    rows = [head, "|---" * (len(regimes) + 1) + "|"]
+    bins = {r: acceptance[r].get("heldout", acceptance[r].get("train"))["reliability"]
+            for r in regimes}
+    for i, b in enumerate(bins[regimes[0]]):
+        cells = []
+        for r in regimes:
+            x = bins[r][i]
+            cells.append(f"{x['predicted']:.3f} / {x['observed']:.3f} ({x['nodes']})"
+                         if x["nodes"] else "-")
+        rows.append(f"| [{b['lo']:.1f}, {b['hi']:.1f}) | " + " | ".join(cells) + " |")
+    losses = "; ".join(
+        f"{r}: {acceptance[r]['rows']} nodes, held-out log-loss "
+        f"{acceptance[r]['heldout']['log_loss']:.3f} (a constant: "
+        f"{acceptance[r]['heldout']['log_loss_constant']:.3f})"
+        for r in regimes if "heldout" in acceptance[r])
+    return ("Acceptance estimates, held-out reliability (bundle `acceptance.json`; "
+            f"{losses}):\n\n" + "\n".join(rows))
 
 
 def update_readme(readme: Path, section: str) -> None:
