@@ -51,7 +51,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .bench import machine_info
-from .engine import TreeBuild, commit, generate
+from .engine import TreeBuild, accept_and_commit, generate
 from .family import Family, TreeConfig
 from .sampling import SamplerSettings, target_probs
 from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedule,
@@ -59,7 +59,7 @@ from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedul
 from .session import Session
 from .timing import LatencyCurve, Timing, verification_latency
 from .tree import DraftTree, prune
-from .verify import accept, expected_path_length, verify
+from .verify import expected_path_length, verify
 
 REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
 EXPLORE_CALL_PROB = 0.5
@@ -137,11 +137,9 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
             spent_ms += 1000 * (time.perf_counter() - t0)
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
         logits = verify(session.family.target, session.cache, tree, cfg.rows_for(len(tree)))
-        acc = accept(tree, logits, settings, rng)
-        block = commit(session, drafters, tree, logits, acc)
-        generated += len(block)
-        root = acc.bonus
-        if eos & set(block[1:] + [acc.bonus]):
+        new, root = accept_and_commit(session, drafters, tree, logits, settings, rng)
+        generated += len(new)
+        if eos & set(new):
             break
     return rows
 

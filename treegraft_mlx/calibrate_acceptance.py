@@ -21,13 +21,13 @@ import numpy as np
 
 from .acceptance import calibrate_regime, node_features, regime
 from .calibrate import read_entries
-from .engine import TreeBuild, commit
+from .engine import TreeBuild, accept_and_commit
 from .family import Family
 from .sampling import SamplerSettings, target_probs
 from .scheduler import FixedSchedule
 from .session import Session
 from .tree import DraftTree, prune
-from .verify import accept, verify
+from .verify import verify
 
 CALL_PROB = 0.3
 MAX_LOGGED_NODES = 48
@@ -55,11 +55,9 @@ def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_
             label = mx.take_along_axis(probs, mx.array(token)[:, None], -1)[:, 0]
             xs.append(node_features(tree, cfg.n_max, cfg.depth)[1:])
             ys.append(np.array(label, dtype=np.float64))
-        acc = accept(tree, logits, settings, rng)
-        block = commit(session, drafters, tree, logits, acc)
-        generated += len(block)
-        root = acc.bonus
-        if eos & set(block[1:] + [acc.bonus]):
+        new, root = accept_and_commit(session, drafters, tree, logits, settings, rng)
+        generated += len(new)
+        if eos & set(new):
             break
     x = np.concatenate(xs) if xs else np.zeros((0, 0))
     return {"x": x.round(6).tolist(), "y": np.concatenate(ys).round(6).tolist() if ys else []}

@@ -494,6 +494,15 @@ def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
     return block
 
 
+def accept_and_commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
+                      settings: SamplerSettings, rng: np.random.Generator) -> tuple[list[int], int]:
+    """A verified step, finished as decoding finishes it (the calibration loops): accept by
+    the regime's rule, commit; (committed tokens after the root, plus the bonus; the bonus)."""
+    acc = accept(tree, logits, settings, rng)
+    block = commit(session, drafters, tree, logits, acc)
+    return block[1:] + [acc.bonus], acc.bonus
+
+
 @dataclass
 class GenerationResult:
     text: str
