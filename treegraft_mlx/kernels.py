@@ -1,24 +1,49 @@
 """Attention over [committed context + a block of tree nodes]: the one entry point the models use.
 
 A tree block's mask travels compactly (`tree.TreeMask`: one bit per block column per row; every
-committed position is always visible). On an Apple GPU a fused Metal kernel reads the bits
-directly, on an NVIDIA GPU its CUDA twin does; everywhere else (and for plain causal or
-unmasked attention) MLX's `scaled_dot_product_attention` runs with the mask expanded once.
+committed position is always visible). On a GPU, our fused kernels (Metal on Apple GPUs, the
+CUDA twin on NVIDIA) read the bits directly where MLX's own attention would not fuse, and for
+long contexts, where a split-context kernel spreads the committed keys over many SIMD groups
+(`attention_path`). Everywhere else MLX's `scaled_dot_product_attention` runs with the mask
+expanded once.
+
+No kernel is trusted with a user's output unproven: the first time a process uses a fused
+kernel for a (path, dtype, head dim, GQA), it runs it on a small random problem against MLX's
+own attention on the same device, and on a mismatch warns once and uses MLX's path for that
+case from then on. `TREEGRAFT_ATTENTION=fused|mlx` forces either path (`auto` is the default).
 Kernel sources live in the repository's `metal/` folder and ship as package data.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from functools import cache, lru_cache
 from importlib import resources
 from typing import Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .tree import TreeMask
 
 
 Mask = Optional[Union[str, mx.array, TreeMask]]
+
+# Committed positions from which the split-context kernel runs: MLX's own vector attention
+# switches to its two-pass kernel at 1024 keys on large Apple GPUs. Not measured on a Mac.
+LONG_CONTEXT = 1024
+CHUNK_KEYS = 256  # keys per SIMD group in the split kernel
+MAX_CHUNKS = 32
+
+# name -> (inputs, outputs); body `<name>.metal` / `<name>.cu`, header `tree_attention_common`
+KERNELS = {
+    "tree_attention": (["q", "k", "v", "bits", "meta", "scale"], ["out"]),
+    "tree_attention_partial": (["q", "k", "v", "bits", "meta", "scale"],
+                               ["part_acc", "part_max", "part_sum"]),
+    "tree_attention_combine": (["part_acc", "part_max", "part_sum"], ["out"]),
+}
+CHECK_TOLERANCE = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 6e-2}  # x max(1, |ref|)
 
 
 def backend() -> str:
@@ -30,20 +55,54 @@ def backend() -> str:
     return "cuda" if mx.cuda.is_available() else "cpu"
 
 
+def mode() -> str:
+    """TREEGRAFT_ATTENTION: 'auto' (default), 'fused' or 'mlx'."""
+    value = os.environ.get("TREEGRAFT_ATTENTION", "auto").strip().lower() or "auto"
+    if value not in ("auto", "fused", "mlx"):
+        raise ValueError(f"TREEGRAFT_ATTENTION must be auto, fused or mlx, not {value!r}")
+    return value
+
+
+def mlx_fuses(kind: str, rows: int, gqa: int, head_dim: int) -> bool:
+    """Whether MLX's own scaled_dot_product_attention runs a fused kernel for a block with an
+    array mask (mlx `scaled_dot_product_attention.cpp`: up to 8 query rows its vector kernel
+    needs rows x GQA <= 32; above, the full kernel is used for these head dims. MLX's CUDA
+    backend fuses single queries only)."""
+    if kind != "metal":
+        return rows <= 1 and head_dim in (64, 96, 128, 256)
+    if rows <= 8:
+        return head_dim in (64, 96, 128, 256) and rows * gqa <= 32
+    return head_dim in (64, 72, 80, 96, 128)
+
+
+def attention_path(kind: str, rows: int, gqa: int, head_dim: int, context: int,
+                   forced: str = "auto") -> str:
+    """'split', 'fused' or 'mlx': which implementation serves a tree block."""
+    if kind == "cpu" or head_dim % 32 or forced == "mlx":
+        return "mlx"
+    if context >= LONG_CONTEXT:
+        return "split"
+    if forced == "auto" and mlx_fuses(kind, rows, gqa, head_dim):
+        return "mlx"
+    return "fused"
+
+
 def kernel_source(name: str) -> str:
     return resources.files("treegraft_mlx.kernel_sources").joinpath(name).read_text()
 
 
 @cache
-def _kernel(kind: str):
+def _kernel(kind: str, name: str):
+    """The MLX kernel object for one body (compiled by MLX on first call)."""
+    inputs, outputs = KERNELS[name]
     if kind == "metal":
-        return mx.fast.metal_kernel(name="tree_attention",
-                                    input_names=["q", "k", "v", "bits", "meta", "scale"],
-                                    output_names=["out"], source=kernel_source("tree_attention.metal"),
+        return mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs,
+                                    source=kernel_source(f"{name}.metal"),
+                                    header=kernel_source("tree_attention_common.metal"),
                                     ensure_row_contiguous=False)
-    return mx.fast.cuda_kernel(name="tree_attention",
-                               input_names=["q", "k", "v", "bits", "meta", "scale"],
-                               output_names=["out"], source=kernel_source("tree_attention.cu"),
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                               source=kernel_source(f"{name}.cu"),
+                               header=kernel_source("tree_attention_common.cuh"),
                                ensure_row_contiguous=False)
 
 
@@ -61,9 +120,9 @@ def device_bits(mask: TreeMask) -> mx.array:
 
 def fused_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: TreeMask,
                          kind: str) -> mx.array:
-    """The Metal or CUDA kernel: q (1, H, R, D) against k, v (1, H_kv, context + R, D)."""
+    """The single-pass kernel: q (1, H, R, D) against k, v (1, H_kv, context + R, D)."""
     _, heads, rows, dim = q.shape
-    out = _kernel(kind)(
+    out = _kernel(kind, "tree_attention")(
         inputs=[mx.contiguous(q), k, v, device_bits(mask), mx.array([mask.context], mx.int32),
                 mx.array([scale], mx.float32)],
         template=[("T", q.dtype), ("D", dim), ("GQA", heads // k.shape[1]),
@@ -71,6 +130,68 @@ def fused_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, ma
         grid=(32 * rows, heads, 1), threadgroup=(32, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype])
     return out[0]
+
+
+def split_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: TreeMask,
+                         kind: str, chunk: Optional[int] = None) -> mx.array:
+    """The split-context pair: chunks of `chunk` keys per SIMD group, then one merge."""
+    _, heads, rows, dim = q.shape
+    total = mask.context + rows
+    if chunk is None:
+        chunk = max(CHUNK_KEYS, -(-total // MAX_CHUNKS))
+    chunks = -(-total // chunk)
+    template = [("T", q.dtype), ("D", dim), ("GQA", heads // k.shape[1]),
+                ("W", mask.bits.shape[1])]
+    part_acc, part_max, part_sum = _kernel(kind, "tree_attention_partial")(
+        inputs=[mx.contiguous(q), k, v, device_bits(mask),
+                mx.array([mask.context, chunk], mx.int32), mx.array([scale], mx.float32)],
+        template=template, grid=(32 * rows, heads, chunks), threadgroup=(32, 1, 1),
+        output_shapes=[(heads, rows, chunks, dim), (heads, rows, chunks), (heads, rows, chunks)],
+        output_dtypes=[mx.float32] * 3)
+    out = _kernel(kind, "tree_attention_combine")(
+        inputs=[part_acc, part_max, part_sum], template=[("T", q.dtype), ("D", dim)],
+        grid=(32 * rows, heads, 1), threadgroup=(32, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype])
+    return out[0]
+
+
+def run_path(path: str, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: TreeMask,
+             kind: str, chunk: Optional[int] = None) -> mx.array:
+    if path == "split":
+        return split_tree_attention(q, k, v, scale, mask, kind, chunk)
+    return fused_tree_attention(q, k, v, scale, mask, kind)
+
+
+@cache
+def kernel_trusted(kind: str, path: str, dtype: mx.Dtype, head_dim: int, gqa: int) -> bool:
+    """Whether the fused `path` kernel matched MLX's attention on this device for this case.
+
+    Runs once per process and case: 2 KV heads, 5 block rows of a branching tree (mask words
+    span two words for the split path's 40-row block), a context that spans several chunks."""
+    rng = np.random.default_rng(0)
+    rows = 40 if path == "split" else 5
+    context = 3 * 16 + 5 if path == "split" else 37
+    parent = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, rows)])
+    block = np.eye(rows, dtype=bool)
+    for i in range(1, rows):
+        block[i] |= block[parent[i]]
+    mask = TreeMask.from_bool(block, context)
+    q = mx.array(rng.standard_normal((1, 2 * gqa, rows, head_dim)).astype(np.float32)).astype(dtype)
+    k, v = (mx.array(rng.standard_normal((1, 2, context + rows, head_dim)).astype(np.float32))
+            .astype(dtype) for _ in range(2))
+    scale = head_dim ** -0.5
+    got = run_path(path, q, k, v, scale, mask, kind, chunk=16).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                mask=mx.array(mask.dense())).astype(mx.float32)
+    error = mx.abs(got - want).max().item()
+    bound = CHECK_TOLERANCE.get(dtype, 6e-2) * max(1.0, mx.abs(want).max().item())
+    if not error <= bound:  # NaN fails too
+        warnings.warn(f"treegraft: the {kind} {path} tree-attention kernel differs from MLX's "
+                      f"attention for {dtype}, head dim {head_dim}, GQA {gqa} (max error "
+                      f"{error:.3g}); using MLX's attention for this case",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def tree_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
@@ -81,8 +202,14 @@ def tree_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
     (L, S) boolean / additive array, or a TreeMask.
     """
     if isinstance(mask, TreeMask):
-        kind = backend()
-        if kind != "cpu" and q.shape[-1] % 32 == 0:
-            return fused_tree_attention(q, k, v, scale, mask, kind)
+        kind, forced = backend(), mode()
+        if forced == "fused" and kind == "cpu":
+            raise RuntimeError("TREEGRAFT_ATTENTION=fused needs a Metal or CUDA GPU; this "
+                               "process runs MLX on the CPU")
+        _, heads, rows, dim = q.shape
+        gqa = heads // k.shape[1]
+        path = attention_path(kind, rows, gqa, dim, mask.context, forced)
+        if path != "mlx" and (forced == "fused" or kernel_trusted(kind, path, q.dtype, dim, gqa)):
+            return run_path(path, q, k, v, scale, mask, kind)
         mask = dense_mask(mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
