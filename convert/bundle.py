@@ -25,7 +25,10 @@ from ..cache import KVCache
 from ..device import available_memory
 from ..family import check_same_tokenizer
 from ..loading import LoadError, read_config, resolve_path, weight_files
-from ..models import ModelArgs
+from mlx.utils import tree_flatten
+
+from ..models import build_model, legacy_config, model_args
+from ..models.moe import EXPERT_TENSOR, stack_experts
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 RECIPES = ("uniform", "mixed-8-embed")  # mixed-8-embed: embeddings and LM head at 8 bits
@@ -75,7 +78,7 @@ def _inspect(role: str, path_or_repo: str) -> Source:
     try:
         path = resolve_path(path_or_repo)
         config = read_config(path)
-        ModelArgs.from_config(config)
+        model_args(config)
         files = weight_files(path)
     except (LoadError, ValueError) as e:
         raise ConvertError(f"{role}: {e}") from None
@@ -87,21 +90,26 @@ def _inspect(role: str, path_or_repo: str) -> Source:
 
 
 def _check_weights_match_config(src: Source) -> None:
-    """Shapes of the embedding and first layer against config.json, from headers only."""
-    args = ModelArgs.from_config(src.config)
-    expect = {"model.embed_tokens.weight": (args.vocab_size, args.hidden_size),
-              "model.layers.0.self_attn.q_proj.weight": (args.num_attention_heads * args.head_dim,
-                                                         args.hidden_size),
-              "model.layers.0.mlp.up_proj.weight": (args.intermediate_size, args.hidden_size)}
-    seen = {}
+    """Every weight the config implies is there with its shape, from headers only (per-expert
+    tensors counted as stacked; shapes of an already quantized source are packed, so only
+    names are checked there)."""
+    args = model_args(src.config)
+    expected = dict(tree_flatten(build_model(args).parameters()))
+    if args.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    seen: dict = {}
     for f in src.files:
-        seen.update({k: v for k, v in _header(f).items() if k in expect})
-    for name, shape in expect.items():
-        if name not in seen:
-            raise ConvertError(f"{src.role}: weight {name} is missing from {src.path}")
-        if not src.prequantized and tuple(seen[name]) != shape:
+        seen.update(_header(f))
+    if args.experts:
+        seen = stack_experts(seen, args.experts, stack=lambda shapes: [len(shapes), *shapes[0]])
+    missing = sorted(set(expected) - set(seen))
+    if missing:
+        raise ConvertError(f"{src.role}: weights {missing[:4]}{'...' if len(missing) > 4 else ''} "
+                           f"are missing from {src.path}")
+    for name, param in expected.items():
+        if not src.prequantized and tuple(seen[name]) != tuple(param.shape):
             raise ConvertError(f"{src.role}: {name} has shape {tuple(seen[name])} but config.json "
-                               f"implies {shape}")
+                               f"implies {tuple(param.shape)}")
 
 
 def _header(file: Path) -> dict[str, list[int]]:
@@ -145,9 +153,15 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
     if quant:
         qconfig = {"group_size": quant.group_size, "bits": quant.bits}
     tie = src.config.get("tie_word_embeddings", False)
+    experts = model_args(src.config).experts
     written, index, shard_id = 0, {}, 0
+    carried: dict[str, mx.array] = {}  # experts whose group another shard completes
     for f in src.files:
-        tensors = mx.load(str(f))
+        tensors = {**carried, **mx.load(str(f))}
+        if experts:
+            tensors = stack_experts(tensors, experts)
+            carried = {k: v for k, v in tensors.items() if EXPERT_TENSOR.match(k)}
+            tensors = {k: v for k, v in tensors.items() if k not in carried}
         out: dict[str, mx.array] = {}
         for name, w in tensors.items():
             if "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
@@ -155,8 +169,8 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
             if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
                 w = w.astype(dtype)
             module = name.rsplit(".", 1)[0]
-            if (quant and name.endswith(QUANTIZABLE_SUFFIXES) and w.ndim == 2
-                    and w.shape[-1] % quant.group_size == 0):
+            if (quant and name.endswith(QUANTIZABLE_SUFFIXES) and w.ndim in (2, 3)
+                    and w.shape[-1] % quant.group_size == 0):  # 3-D: stacked experts
                 bits = quant.bits_for(module)
                 wq, scales, biases = mx.quantize(w, group_size=quant.group_size, bits=bits)
                 out[name], out[f"{module}.scales"], out[f"{module}.biases"] = wq, scales, biases
@@ -172,6 +186,8 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
         index.update({k: fname for k in out})
         del tensors, out
         progress(1)
+    if carried:
+        raise ConvertError(f"{src.role}: experts missing for {sorted(carried)[:3]}")
     (dest / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": written}, "weight_map": index}, indent=1))
     return qconfig, written
@@ -218,7 +234,7 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
             dest.mkdir(parents=True)
             bar = progress_factory(s.role, len(s.files)) if progress_factory else None
             step = (lambda n: bar.update(n)) if bar is not None else (lambda n: None)
-            config = dict(s.config)
+            config = legacy_config(s.config)  # both RoPE forms: every reader sees one model
             if s.prequantized:
                 if quant:
                     log(f"{s.role}: already quantized by mlx_lm; re-bundled without requantising")
@@ -242,7 +258,7 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
             total_after += written
             manifest_models[s.role] = {"path": str(s.out_dir), "bytes": written,
                                        "quantization": config.get("quantization")}
-        args = ModelArgs.from_config(sources[0].config)
+        args = model_args(sources[0].config)
         kv = KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
                                context, DTYPES.get(dtype or "float16"))
         need, have = total_after + kv, available_memory()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import resources
 from typing import Optional, Union
@@ -194,13 +195,73 @@ def kernel_trusted(kind: str, path: str, dtype: mx.Dtype, head_dim: int, gqa: in
     return True
 
 
+@dataclass(frozen=True)
+class Window:
+    """A sliding-window layer's view of a block: keys from `first_key` on, and its mask."""
+    first_key: int
+    mask: Mask
+
+
+def windowed(mask: Mask, positions: Union[int, mx.array], context: int, rows: int,
+             window: int) -> Window:
+    """Restricts `mask` to keys less than `window` positions behind each row.
+
+    Committed key j sits at position j; a block key at its row's position (tree rows carry
+    their depth). Row r sees key j only if pos(j) > pos(r) - window, as transformers' sliding
+    masks; committed keys no row can see are cut off (`first_key`), so a long context costs a
+    window, not the whole cache. Built once per forward, shared by the sliding layers.
+    """
+    if context + rows - 1 < window:  # no row sits a window past any key (depth < rows)
+        return Window(0, mask)
+    first_key = max(0, context - window + 1)
+    row_pos = (mx.arange(context, context + rows) if isinstance(positions, int)
+               else positions.astype(mx.int32))
+    key_pos = mx.concatenate([mx.arange(first_key, context), row_pos])
+    within = key_pos[None, :] > row_pos[:, None] - window
+    if mask is None:
+        return Window(first_key, within)
+    if isinstance(mask, str):  # "causal"
+        base = mx.arange(first_key, context + rows)[None, :] <= row_pos[:, None]
+    elif isinstance(mask, TreeMask):
+        base = dense_mask(mask)[:, first_key:]
+    elif mask.dtype == mx.bool_:
+        base = mask[:, first_key:]
+    else:
+        raise ValueError("sliding-window layers need a boolean or causal mask")
+    return Window(first_key, base & within)
+
+
+def attention_ops(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: Mask,
+                  softcap: float) -> mx.array:
+    """Attention as plain ops, for what no fused kernel does: tanh soft-capped scores (Gemma 2).
+
+    GQA by grouping query heads per KV head; softmax in float32."""
+    _, heads, rows, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    qg = q.reshape(1, kv_heads, heads // kv_heads * rows, dim) * scale
+    scores = (qg @ k.swapaxes(-1, -2)).astype(mx.float32)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, TreeMask):
+        mask = dense_mask(mask)
+    elif isinstance(mask, str):
+        mask = mx.arange(keys)[None, :] <= mx.arange(keys - rows, keys)[:, None]
+    if mask is not None:
+        mask = mx.tile(mask, (heads // kv_heads, 1))
+        scores = (mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_
+                  else scores + mask.astype(mx.float32))
+    out = mx.softmax(scores, axis=-1).astype(v.dtype) @ v
+    return out.reshape(1, heads, rows, dim)
+
+
 def tree_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
-                   mask: Mask = None) -> mx.array:
+                   mask: Mask = None, softcap: Optional[float] = None) -> mx.array:
     """Scaled dot-product attention with grouped-query heads.
 
     q: (1, H, L, D); k, v: (1, H_kv, S, D) with S = context + L. mask: None, "causal", an
-    (L, S) boolean / additive array, or a TreeMask.
+    (L, S) boolean / additive array, or a TreeMask. softcap: tanh cap on the scores (Gemma 2).
     """
+    if softcap:
+        return attention_ops(q, k, v, scale, mask, softcap)
     if isinstance(mask, TreeMask):
         kind, forced = backend(), mode()
         if forced == "fused" and kind == "cpu":

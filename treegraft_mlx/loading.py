@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 
 from . import device
 from .cache import KVCache
-from .models import Model, ModelArgs
+from .models import Model, ModelArgs, build_model, model_args
 
 
 class LoadError(ValueError):
@@ -146,13 +146,13 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
     path = resolve_path(path_or_repo)
     config = read_config(path)
     try:
-        args = ModelArgs.from_config(config)
+        args = model_args(config)
     except ValueError as e:
         raise LoadError(f"{path / 'config.json'}: {e}") from None
     except TypeError as e:
         raise LoadError(f"{path / 'config.json'} lacks a required field: {e}") from None
-    weights = _sanitize(read_weights(weight_files(path)), args)
-    model = Model(args)
+    model = build_model(args)
+    weights = model.sanitize(_sanitize(read_weights(weight_files(path)), args))
     quant = _quantize(model, config, weights)
     _check_weights(model, weights, path)
 

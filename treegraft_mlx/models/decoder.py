@@ -1,23 +1,26 @@
-"""One decoder skeleton for the Llama family of architectures (llama, mistral, qwen2, qwen3).
+"""One decoder skeleton for the Llama family (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe).
 
 Why our own instead of `mlx_lm.models`: speculative decoding needs a forward over a block of
 tree nodes with a position per node, a tree-shaped mask and logits for chosen rows only. The
-families differ in a few explicit switches (`ModelArgs.attention_bias`, `ModelArgs.qk_norm`,
-RoPE scaling); everything else is shared. The model knows nothing about trees: positions and
-masks come from the caller.
+families differ in a few explicit switches (`ModelArgs.attention_bias`, `qk_norm`,
+`fused_projections` for Phi-3, routed experts for the mixtures, sliding-window layers, RoPE
+scaling); everything else is shared. The model knows nothing about trees: positions and masks
+come from the caller.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from ..kernels import tree_attention
+from ..kernels import tree_attention, windowed
+from .moe import MoE, stack_experts
+from .rope import Positions, RoPE, RopeSpec, rope_spec
 
 # What each supported `model_type` changes relative to plain Llama.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -25,9 +28,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {},
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    "phi3": {"fused_projections": True},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": True},
 }
-
-Positions = Union[int, mx.array]
+WINDOW_ON_ALL_LAYERS = ("mistral", "mixtral", "phi3")  # a set sliding_window applies everywhere
 
 
 @dataclass
@@ -42,79 +47,78 @@ class ModelArgs:
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
     max_position_embeddings: int = 4096
-    rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    fused_projections: bool = False
     tie_word_embeddings: bool = False
     eos_token_id: Any = None
+    # mixtures of experts (Mixtral: num_local_experts; Qwen3-MoE: num_experts)
+    num_local_experts: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list = field(default_factory=list)
+    # derived by from_config
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    sliding_window: Optional[int] = None
+    sliding_layers: list = field(default_factory=list)  # per layer: windowed or not
     extra: dict = field(default_factory=dict)
+
+    FAMILIES: ClassVar[dict[str, dict[str, Any]]] = FAMILY_DEFAULTS
+    DERIVED: ClassVar[tuple[str, ...]] = ("extra", "rope", "sliding_window", "sliding_layers")
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         model_type = config.get("model_type")
-        if model_type not in FAMILY_DEFAULTS:
+        if model_type not in cls.FAMILIES:
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {sorted(FAMILY_DEFAULTS)}")
-        names = set(inspect.signature(cls).parameters) - {"extra"}
-        values = {**FAMILY_DEFAULTS[model_type], **{k: v for k, v in config.items() if k in names}}
+                f"unsupported model_type {model_type!r}; supported: {sorted(cls.FAMILIES)}")
+        names = set(inspect.signature(cls).parameters) - set(cls.DERIVED)
+        values = {**cls.FAMILIES[model_type], **{k: v for k, v in config.items() if k in names}}
         if model_type == "qwen2":  # Qwen2 configs carry no attention_bias key: it is always on
             values["attention_bias"] = True
+        if model_type == "mixtral":  # renormalises the chosen experts' probabilities always
+            values["norm_topk_prob"] = True
         values["extra"] = {k: v for k, v in config.items() if k not in names}
         args = cls(**values)
         if args.num_key_value_heads is None:
             args.num_key_value_heads = args.num_attention_heads
         if args.head_dim is None:
             args.head_dim = args.hidden_size // args.num_attention_heads
+        args.derive(config)
         return args
 
+    def derive(self, config: dict) -> None:
+        """The settings config.json spells differently across families and versions."""
+        self.rope = rope_spec(config)
+        self.sliding_window, self.sliding_layers = sliding_layers(
+            self.model_type, config, self.num_hidden_layers)
 
-class RoPE(nn.Module):
-    """Rotary embedding at a contiguous offset or at an arbitrary position per token.
+    @property
+    def experts(self) -> int:
+        return self.num_local_experts or self.num_experts
 
-    Supports the default, "linear" and "llama3" scalings. Per-token positions reuse
-    `mx.fast.rope` by moving tokens onto the batch axis, where offsets may differ per row.
-    """
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dims, base = args.head_dim, args.rope_theta
-        self.dims = dims
-        self.scale = 1.0
-        self._freqs = None
-        self.base: Optional[float] = base
-        scaling = args.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "linear":
-            self.scale = 1.0 / scaling["factor"]
-        elif kind == "llama3":
-            self._freqs = _llama3_freqs(dims, base, scaling)
-            self.base = None
-        elif kind != "default":
-            raise ValueError(f"unsupported rope_scaling type {kind!r} "
-                             "(supported: default, linear, llama3)")
-
-    def __call__(self, x: mx.array, positions: Positions) -> mx.array:
-        kwargs = dict(traditional=False, base=self.base, scale=self.scale, freqs=self._freqs)
-        if isinstance(positions, int):
-            return mx.fast.rope(x, self.dims, offset=positions, **kwargs)
-        # x: (1, H, L, D) -> (L, H, 1, D): one token per batch row, one offset per row.
-        y = mx.fast.rope(x.transpose(2, 1, 0, 3), self.dims, offset=positions, **kwargs)
-        return y.transpose(2, 1, 0, 3)
+    def is_moe_layer(self, layer: int) -> bool:
+        return (self.experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
 
-def _llama3_freqs(dims: int, base: float, cfg: dict) -> mx.array:
-    """Llama 3.x frequency smoothing between the low- and high-frequency bands."""
-    factor = cfg["factor"]
-    low, high = cfg.get("low_freq_factor", 1.0), cfg.get("high_freq_factor", 4.0)
-    old_len = cfg.get("original_max_position_embeddings", 8192)
-    freqs = base ** (mx.arange(0, dims, 2) / dims)
-    wavelens = 2 * mx.pi * freqs
-    freqs = mx.where(wavelens > old_len / low, freqs * factor, freqs)
-    medium = (wavelens > old_len / high) & (wavelens < old_len / low)
-    smooth = (old_len / wavelens - low) / (high - low)
-    return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+def sliding_layers(model_type: str, config: dict, layers: int) -> tuple[Optional[int], list]:
+    """(window, which layers use it), as transformers decides for each family."""
+    window = config.get("sliding_window")
+    if not window:
+        return None, [False] * layers
+    if config.get("layer_types"):
+        return window, [t == "sliding_attention" for t in config["layer_types"]]
+    if model_type in WINDOW_ON_ALL_LAYERS:
+        return window, [True] * layers
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
+        first = config.get("max_window_layers", 0) if model_type != "qwen3_moe" else 0
+        return window, [i >= first for i in range(layers)]
+    return None, [False] * layers
 
 
 class Attention(nn.Module):
@@ -124,26 +128,38 @@ class Attention(nn.Module):
         self.head_dim = hd = args.head_dim
         self.scale = hd ** -0.5
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+        if args.fused_projections:  # Phi-3: one matmul for q, k and v
+            self.splits = [self.n_heads * hd, (self.n_heads + self.n_kv_heads) * hd]
+            self.qkv_proj = nn.Linear(args.hidden_size, (self.n_heads + 2 * self.n_kv_heads) * hd,
+                                      bias=bias)
+        else:
+            self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
+            self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-        self.rope = RoPE(args)
+        self.rope = RoPE(args.rope, hd, args.max_position_embeddings)
 
-    def __call__(self, x, positions: Positions, mask, cache: Optional[KVCache], layer: int):
+    def __call__(self, x, positions: Positions, mask, cache: Optional[KVCache], layer: int,
+                 first_key: int = 0):
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        if "qkv_proj" in self:
+            q, k, v = mx.split(self.qkv_proj(x), self.splits, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        v = v.reshape(B, L, self.n_kv_heads, -1)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         q, k = self.rope(q, positions), self.rope(k, positions)
         if cache is not None:
             k, v = cache.write(layer, k, v)
+        if first_key:  # a sliding-window layer: keys before the window are never read
+            k, v = k[:, :, first_key:], v[:, :, first_key:]
         out = tree_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -152,43 +168,65 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         d, h, b = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(d, h, bias=b)
-        self.up_proj = nn.Linear(d, h, bias=b)
+        if args.fused_projections:  # Phi-3: gate and up in one matmul, gate first
+            self.gate_up_proj = nn.Linear(d, 2 * h, bias=b)
+        else:
+            self.gate_proj = nn.Linear(d, h, bias=b)
+            self.up_proj = nn.Linear(d, h, bias=b)
         self.down_proj = nn.Linear(h, d, bias=b)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+def feed_forward(args: ModelArgs, layer: int) -> nn.Module:
+    if not args.is_moe_layer(layer):
+        return MLP(args)
+    return MoE(args.hidden_size, args.moe_intermediate_size or args.intermediate_size,
+               args.experts, args.num_experts_per_tok, args.norm_topk_prob)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        if args.model_type == "mixtral":  # Mixtral names its expert layer differently
+            self.block_sparse_moe = feed_forward(args, layer)
+        else:
+            self.mlp = feed_forward(args, layer)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.sliding = args.sliding_layers[layer]
 
-    def __call__(self, x, positions, mask, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, layer)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, x, positions, mask, cache, layer, first_key=0):
+        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, layer, first_key)
+        ff = self.block_sparse_moe if "block_sparse_moe" in self else self.mlp
+        return h + ff(self.post_attention_layernorm(h))
 
 
 class Body(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, block=Block, norm=nn.RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [Block(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.layers = [block(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
 
 
 class Model(nn.Module):
     """Decoder LM. `model(ids)` is a plain causal forward returning (1, L, V) logits."""
 
+    BLOCK: ClassVar[type] = Block
+    NORM: ClassVar[type] = nn.RMSNorm
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Body(args)
+        self.model = Body(args, self.BLOCK, self.NORM)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
@@ -212,12 +250,22 @@ class Model(nn.Module):
         pos: Positions = offset if positions is None else positions
         if mask is None and L > 1:
             mask = "causal"
-        h = self.model.embed_tokens(inputs)
+        h = self.embed(inputs)
+        local = (windowed(mask, pos, offset, L, self.args.sliding_window)
+                 if any(self.args.sliding_layers) else None)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, pos, mask, cache, i)
+            if layer.sliding:
+                h = layer(h, pos, local.mask, cache, i, local.first_key)
+            else:
+                h = layer(h, pos, mask, cache, i)
         if logits_rows is not None:
             h = h[:, logits_rows]
-        h = self.model.norm(h)
+        return self.logits(self.model.norm(h))
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.model.embed_tokens(inputs)
+
+    def logits(self, h: mx.array) -> mx.array:
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
@@ -229,6 +277,11 @@ class Model(nn.Module):
         return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
 
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint names -> this model's: per-expert tensors stacked (see moe.py)."""
+        return stack_experts(weights, self.args.experts) if self.args.experts else weights
+
     @property
     def layers(self):
         return self.model.layers
+
