@@ -38,6 +38,21 @@ def test_generate_json_schema_for_each_strategy():
     assert outs["treegraft-fixed:1"]["drafter_calls"] > 0
 
 
+def test_no_autotune_measures_nothing_and_keeps_the_output(tmp_path, monkeypatch):
+    """A pair nobody measured: --no-autotune writes no timings and verifies the fixed tree;
+    the first autotuned run measures and caches (then later runs read the cache)."""
+    monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))
+    args = ("generate", "--prompt", "def f(x):\n", "--max-tokens", "16", "--strategy", "ngram",
+            "--json")
+    plain = run(*args, "--no-autotune")
+    assert plain.exit_code == 0, plain.output
+    assert not (tmp_path / "timings.json").exists()
+    tuned = run(*args)
+    assert tuned.exit_code == 0, tuned.output
+    assert "steps|" in (tmp_path / "timings.json").read_text()
+    assert json.loads(tuned.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+
+
 def test_generate_reads_stdin_and_streams_text():
     r = run("generate", "--max-tokens", "8", "--strategy", "ngram", "--verbose", input="x = 1\n")
     assert r.exit_code == 0 and "generation:" in r.output

@@ -283,3 +283,14 @@ def test_drafting_stops_when_it_does_not_pay_and_still_explores():
     for _ in range(50):                                    # drafts worth 1.5 tokens a step
         sizer.settle(Plan(np.arange(2), 2.5, 23.0), draft_ms=1.0)
     assert all(sizer.worth_drafting() for _ in range(10))
+
+
+def test_probe_plan_scales_to_the_model():
+    from treegraft_mlx.engine import PROBE_SECONDS, plan_probe
+
+    quick = plan_probe(20.0, 32)  # tg-tiny here: one row ~20 ms, the full probe
+    assert quick.sizes[:12] == tuple(range(1, 13)) and quick.sizes[-1] == 32
+    assert quick.forwards() * 20.0 <= 1000 * PROBE_SECONDS
+    slow = plan_probe(200.0, 32)  # a 7B-class model on a slow device: a thinner probe
+    assert slow.forwards() < quick.forwards() and slow.sizes[-1] == 32 and 8 in slow.sizes
+    assert slow.forwards() * 200.0 <= 1000 * PROBE_SECONDS

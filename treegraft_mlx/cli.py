@@ -24,6 +24,9 @@ def family_options(f):
                      help="ar, chain[:k], ngram, draft, treegraft or treegraft-fixed:<layers>.")(f)
     f = click.option("--draft-model", "draft_models", multiple=True,
                      help="Drafter model path (repeatable; the last one is the strong drafter).")(f)
+    f = click.option("--autotune/--no-autotune", default=True, show_default=True,
+                     help="Measure this device's step costs on the first run of a model pair "
+                     "(cached); without, steps verify the bundle's fixed tree.")(f)
     return click.option("--model", default=None, help="Bundle directory, target model path or "
                         "cached repo id (default: the bundled tg-tiny family).")(f)
 
@@ -43,11 +46,11 @@ def sampling_options(f):
     return f
 
 
-def load_family(model: Optional[str], draft_models: tuple[str, ...]):
+def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: bool = True):
     from .engine import load
 
     try:
-        return load(model or fixture_path(), drafters=draft_models)
+        return load(model or fixture_path(), drafters=draft_models, autotune=autotune)
     except (LoadError, MemoryError) as e:
         raise click.ClickException(str(e)) from None
 
@@ -61,15 +64,15 @@ def load_family(model: Optional[str], draft_models: tuple[str, ...]):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--verbose", is_flag=True, help="Print a statistics line to stderr.")
 @click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
-def generate(model, draft_models, strategy, prompt, max_tokens, temp, top_p, top_k, min_p, seed,
-             chat_template, as_json, verbose, color) -> None:
+def generate(model, autotune, draft_models, strategy, prompt, max_tokens, temp, top_p, top_k,
+             min_p, seed, chat_template, as_json, verbose, color) -> None:
     """Generate text from a prompt, streamed to stdout."""
     from .engine import stream_generate
     from .generate import chat_prompt
 
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    family = load_family(model, draft_models)
+    family = load_family(model, draft_models, autotune)
     if chat_template and getattr(family.tokenizer, "chat_template", None):
         prompt = chat_prompt(family.tokenizer, [{"role": "user", "content": prompt}])
     text, ids, last, decoders = "", [], None, []
@@ -111,7 +114,8 @@ def _colored(tokenizer, r) -> str:
 @main.command()
 @family_options
 @sampling_options
-def chat(model, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p, seed) -> None:
+def chat(model, autotune, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p,
+         seed) -> None:
     """Interactive multi-turn chat, streamed; caches are reused across turns.
 
     Commands: /reset forgets the conversation, /stats shows the last turn's statistics,
@@ -121,7 +125,7 @@ def chat(model, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p, s
     from .generate import chat_prompt
     from .session import Session
 
-    family = load_family(model, draft_models)
+    family = load_family(model, draft_models, autotune)
     session, messages, stats = Session(family), [], None
     click.echo("treegraft chat: /reset, /stats, /quit", err=True)
     while True:
@@ -168,7 +172,8 @@ def chat(model, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p, s
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
-def serve(model, draft_models, strategy, host, port, max_tokens_limit, max_body_bytes) -> None:
+def serve(model, autotune, draft_models, strategy, host, port, max_tokens_limit,
+          max_body_bytes) -> None:
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
     from pathlib import Path
 
@@ -179,7 +184,7 @@ def serve(model, draft_models, strategy, host, port, max_tokens_limit, max_body_
         parse_strategy(strategy)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    family = load_family(model, draft_models)
+    family = load_family(model, draft_models, autotune)
     model_id = Path(str(model)).name if model else "tg-tiny"
     server = make_server(family, host, port, ServerConfig(model_id, strategy, max_tokens_limit,
                                                           max_body_bytes))

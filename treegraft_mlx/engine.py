@@ -579,16 +579,49 @@ LONG_CONTEXT = 1280        # the second context the row cost is measured at
 # Block sizes the latency table measures: every small one (where trees are chosen and kernels
 # switch), then a few larger ones that bigger trees are padded up to.
 MEASURED_ROWS = (*range(1, 13), 16, 20, 24, 28)
+FEW_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24)  # what a slow model's probe keeps of them
 ROW_PROBE = 8              # rows of the block measured at both contexts
+PROBE_SECONDS = 25.0       # what measuring a model's step costs may take (a 7B on a Mac: 30 s)
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """How much the step-cost probe measures: scaled to the model so that a large target's
+    first run stays within PROBE_SECONDS."""
+    sizes: tuple[int, ...]
+    repeats: int
+    long_context: int
+    probe_tokens: int
+
+    def forwards(self) -> float:
+        """Estimated cost in one-row forwards (a block costs about 1 + 0.1 per extra row; a
+        prefill of c tokens about c / 16 forwards, generation about one per token)."""
+        blocks = sum(1 + 0.1 * (m - 1) for m in self.sizes) * (self.repeats + 1)
+        far = self.long_context / 16 + (2 + 0.1 * (ROW_PROBE - 1)) * (self.repeats + 1)
+        return blocks + far + 2 * self.probe_tokens + 8 + LATENCY_CONTEXT / 16
+
+
+def plan_probe(one_row_ms: float, limit: int) -> ProbePlan:
+    """The full probe where it fits in PROBE_SECONDS, else fewer sizes, rounds and tokens."""
+    full = ProbePlan(tuple(m for m in MEASURED_ROWS if m < limit) + (limit,), LATENCY_REPEATS,
+                     LONG_CONTEXT, PROBE_TOKENS)
+    if full.forwards() * one_row_ms <= 1000 * PROBE_SECONDS:
+        return full
+    return ProbePlan(tuple(m for m in FEW_ROWS if m < limit) + (limit,), 1, LONG_CONTEXT // 2,
+                     PROBE_TOKENS // 4)
 
 
 def load(target_path_or_bundle: Union[str, Path], drafters: Sequence = (),
-         tree: Optional[TreeConfig] = None, warmup: bool = True, **model_kwargs) -> Family:
+         tree: Optional[TreeConfig] = None, warmup: bool = True, autotune: bool = True,
+         **model_kwargs) -> Family:
     """Load a family (family.load_family) and, with `warmup`, measure what this device's steps
     cost (and, with a strong drafter, what a call of it costs) unless cached, so the first
-    generation does not pay for it: a few seconds, once per model pair and device."""
+    generation does not pay for it: seconds, once per model pair and device. Without
+    `autotune` nothing is measured: steps verify the bundle's fixed tree (budget, pad)."""
     family = load_family(target_path_or_bundle, drafters, tree, **model_kwargs)
-    if warmup:
+    if not autotune:
+        family.tree = dataclasses.replace(family.tree, adaptive=False)
+    elif warmup:
         step_costs(family, family.tree)
         if family.strong is not None:
             scheduler_timing(family, family.tree)
@@ -609,19 +642,21 @@ def measure_step_costs(family: Family, tree: TreeConfig,
     step, and a tree step's drafting and host work (acceptance and commit, from an n-gram
     generation with a small fixed tree)."""
     limit = min(MAX_STEP_ROWS, build_cap(tree.top_k, tree.depth))
-    sizes = [m for m in MEASURED_ROWS if m < limit] + [limit]
-    rounds = LATENCY_REPEATS + 1
+    one_row = verification_latency(family.target, sizes=(1,), repeats=1)[1]
+    plan = plan_probe(one_row, limit)
+    sizes = list(plan.sizes)
+    rounds = plan.repeats + 1
     with _progress(2 * rounds + 2, "measuring this device's step costs (once)") as advance:
-        latency = verification_latency(family.target, sizes=sizes, repeats=LATENCY_REPEATS,
+        latency = verification_latency(family.target, sizes=sizes, repeats=plan.repeats,
                                        progress=advance)
-        far = min(LONG_CONTEXT, family.target.args.max_position_embeddings - limit - 1)
+        far = min(plan.long_context, family.target.args.max_position_embeddings - limit - 1)
         long = verification_latency(family.target, sizes=(1, ROW_PROBE), context=far,
-                                    repeats=LATENCY_REPEATS, progress=advance)
+                                    repeats=plan.repeats, progress=advance)
         generate(family, PROBE_PROMPT, "ar", max_tokens=8)
-        ar = generate(family, PROBE_PROMPT, "ar", max_tokens=PROBE_TOKENS)
+        ar = generate(family, PROBE_PROMPT, "ar", max_tokens=plan.probe_tokens)
         advance(1)
         fixed = dataclasses.replace(tree, adaptive=False, budget=min(8, limit), verify_pad=())
-        steps = generate(family, PROBE_PROMPT, "ngram", max_tokens=PROBE_TOKENS,
+        steps = generate(family, PROBE_PROMPT, "ngram", max_tokens=plan.probe_tokens,
                          tree=fixed).step_stats
         advance(1)
     rows_near = latency[ROW_PROBE] - latency[1]

@@ -138,9 +138,11 @@ def verification_latency(target, sizes=(1, 2, 4, 8, 16, 32, 64, 128),
     target(mx.array([list(range(3, 3 + context))]), cache=cache)
     cache.commit()
     blocks = {}
-    for n in sizes:
+    vocab = target.args.vocab_size
+    for n in sizes:  # distinct tokens, so a mixture of experts routes rows as a tree's would
         parent = list(range(-1, n - 1))
-        blocks[n] = (mx.array([[7] * n]), positions(parent, context),
+        tokens = [3 + (7919 * i + 11) % (vocab - 3) for i in range(n)]
+        blocks[n] = (mx.array([tokens]), positions(parent, context),
                      attention_mask(parent, context))
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):
