@@ -145,3 +145,21 @@ def test_rope_spec_reads_both_forms_alike():
     assert rope_spec(old_gemma3, "sliding_attention", 1e4, "rope_local_base_freq") == \
         rope_spec(nested, "sliding_attention")
     assert rope_spec({"rope_theta": 1e6}).theta == 1e6 and rope_spec({}).theta == 1e4
+
+
+@pytest.mark.parametrize("name", ["gemma2", "phi3-longrope", "mixtral", "qwen3_moe"])
+def test_mlx_lm_converted_directories_load(tmp_path, name):
+    """A directory mlx_lm itself converted and quantized (its stacked experts, its names)."""
+    src = as_transformers_4(name, tmp_path / name)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("sliding_window"):  # mlx_lm applies no window for some of these families
+        config["sliding_window"] = 64
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "mlx"
+    mlx_lm.convert(str(src), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=32)
+    ours, _ = load_model(out)
+    theirs, _ = mlx_lm.load(str(out))
+    theirs.set_dtype(mx.float32)
+    ids = mx.array([np.load(REFERENCES / name / "logits.npz")["ids_long"].tolist()])
+    assert ours.quantization["bits"] == 4
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
