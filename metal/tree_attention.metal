@@ -19,11 +19,7 @@ constexpr int E = D / 32;
 
 float qv[E];
 float acc[E];
-const device T* qp = q + (size_t(head) * rows + row) * D;
-for (int e = 0; e < E; e++) {
-  qv[e] = float(qp[lane * E + e]) * scale[0];
-  acc[e] = 0.0f;
-}
+load_query<T, E>(qv, acc, q + (size_t(head) * rows + row) * D, scale[0], lane);
 float m = -INFINITY;
 float l = 0.0f;
 uint kv_head = head / GQA;

@@ -2,6 +2,16 @@
 // the twin of tree_attention_common.metal: one warp per (block row, query head), lane i holds
 // head-dim elements [i * E, (i + 1) * E), online softmax state (m, l, acc).
 
+// Loads the lane's slice of a query row, pre-scaled, and clears its accumulator.
+template <typename T, int E>
+__device__ __forceinline__ void load_query(float* qv, float* acc, const T* qp, float scale,
+                                           int lane) {
+  for (int e = 0; e < E; e++) {
+    qv[e] = static_cast<float>(qp[lane * E + e]) * scale;
+    acc[e] = 0.0f;
+  }
+}
+
 // Folds key / value row s into the lane's online-softmax state.
 template <typename T, int E>
 __device__ __forceinline__ void attend_key(const float* qv, float* acc, float& m, float& l,

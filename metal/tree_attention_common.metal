@@ -4,6 +4,16 @@
 // elements [i * E, (i + 1) * E), E = D / 32. Softmax is online: (m, l, acc) are the running
 // maximum, the running sum of exp(score - m) and the running weighted sum of value rows.
 
+// Loads the lane's slice of a query row, pre-scaled, and clears its accumulator.
+template <typename T, int E>
+inline void load_query(thread float* qv, thread float* acc, const device T* qp, float scale,
+                       uint lane) {
+  for (int e = 0; e < E; e++) {
+    qv[e] = float(qp[lane * E + e]) * scale;
+    acc[e] = 0.0f;
+  }
+}
+
 // Folds key / value row s into the lane's online-softmax state.
 template <typename T, int E>
 inline void attend_key(thread const float* qv, thread float* acc, thread float& m,

@@ -233,8 +233,8 @@ def test_broken_kernel_fails(monkeypatch, kind):
     is caught: what type-checking under a shim could never see."""
     case = Case("float32", 64, 2, 1, 6, 20, "capacity")
     wrong = lambda src: src.replace("qp[lane * E + e]", "qp[lane + 32 * e]")  # noqa: E731
-    assert "qp[lane * E + e]" in kernel_source("tree_attention.metal")
-    assert "qp[lane * E + e]" in kernel_source("tree_attention.cu")
+    assert "qp[lane * E + e]" in kernel_source("tree_attention_common.metal")
+    assert "qp[lane * E + e]" in kernel_source("tree_attention_common.cuh")
     monkeypatch.setattr(kernels, "_kernel", lambda k, name: emulated_kernel(k, name, wrong))
     got, want = run_case(case, kind)
     with pytest.raises(AssertionError):

@@ -44,8 +44,9 @@ inline Index thread_idx() {
   lockstep::Dim3 p = lockstep::current_lane().position;
   return {p.x, p.y, p.z};
 }
-inline void check_full_warp(unsigned mask) {
+inline void check_full_warp(unsigned mask, int width = 32) {
   if (mask != 0xffffffffu) lockstep::fail("emulator supports full-warp masks only");
+  if (width != 32) lockstep::fail("emulator supports width 32 shuffles only");
 }
 }  // namespace cuda_emulation
 
@@ -63,26 +64,22 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 
 template <typename T>
 T __shfl_sync(unsigned mask, T x, int lane, int width = 32) {
-  cuda_emulation::check_full_warp(mask);
-  if (width != 32) lockstep::fail("emulator supports width 32 shuffles only");
+  cuda_emulation::check_full_warp(mask, width);
   return lockstep::collective<T>(lockstep::shuffle<T>, x, long(lane));
 }
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T x, int lane_mask, int width = 32) {
-  cuda_emulation::check_full_warp(mask);
-  if (width != 32) lockstep::fail("emulator supports width 32 shuffles only");
+  cuda_emulation::check_full_warp(mask, width);
   return lockstep::collective<T>(lockstep::shuffle_xor<T>, x, long(lane_mask));
 }
 template <typename T>
 T __shfl_down_sync(unsigned mask, T x, unsigned delta, int width = 32) {
-  cuda_emulation::check_full_warp(mask);
-  if (width != 32) lockstep::fail("emulator supports width 32 shuffles only");
+  cuda_emulation::check_full_warp(mask, width);
   return lockstep::collective<T>(lockstep::shuffle_down<T>, x, long(delta));
 }
 template <typename T>
 T __shfl_up_sync(unsigned mask, T x, unsigned delta, int width = 32) {
-  cuda_emulation::check_full_warp(mask);
-  if (width != 32) lockstep::fail("emulator supports width 32 shuffles only");
+  cuda_emulation::check_full_warp(mask, width);
   return lockstep::collective<T>(lockstep::shuffle_up<T>, x, long(delta));
 }
 

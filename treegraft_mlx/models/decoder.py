@@ -122,11 +122,12 @@ def sliding_layers(model_type: str, config: dict, layers: int) -> tuple[Optional
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm: type = nn.RMSNorm):
         super().__init__()
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = hd = args.head_dim
         self.scale = hd ** -0.5
+        self.softcap: Optional[float] = None  # tanh cap on the scores (Gemma 2)
         bias = args.attention_bias
         if args.fused_projections:  # Phi-3: one matmul for q, k and v
             self.splits = [self.n_heads * hd, (self.n_heads + self.n_kv_heads) * hd]
@@ -138,8 +139,8 @@ class Attention(nn.Module):
             self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=False)
         if args.qk_norm:
-            self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
-            self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+            self.q_norm = norm(hd, eps=args.rms_norm_eps)
+            self.k_norm = norm(hd, eps=args.rms_norm_eps)
         self.rope = RoPE(args.rope, hd, args.max_position_embeddings)
 
     def __call__(self, x, positions: Positions, mask, cache: Optional[KVCache], layer: int,
@@ -160,7 +161,7 @@ class Attention(nn.Module):
             k, v = cache.write(layer, k, v)
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
-        out = tree_attention(q, k, v, scale=self.scale, mask=mask)
+        out = tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

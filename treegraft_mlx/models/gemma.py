@@ -15,8 +15,7 @@ from typing import Any, ClassVar, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels import tree_attention
-from .decoder import Model, ModelArgs, sliding_layers
+from .decoder import Attention, Model, ModelArgs, sliding_layers
 from .rope import RoPE, RopeSpec, rope_spec
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -65,38 +64,17 @@ class GemmaRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """Llama's attention with Gemma's scale, score cap, norms and per-layer-type RoPE."""
+
     def __init__(self, args: GemmaArgs, layer: int):
-        super().__init__()
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        hd, bias = args.head_dim, args.attention_bias
+        super().__init__(args, norm=GemmaRMSNorm)
+        hd = args.head_dim
         self.scale = args.query_pre_attn_scalar ** -0.5
         self.softcap = args.attn_logit_softcapping
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=bias)
-        if args.qk_norm:
-            self.q_norm = GemmaRMSNorm(hd, eps=args.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(hd, eps=args.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * hd, args.hidden_size, bias=args.attention_bias)
         spec = args.rope_local if args.sliding_layers[layer] else args.rope
         self.rope = RoPE(spec, hd, args.max_position_embeddings)
-
-    def __call__(self, x, positions, mask, cache, layer: int, first_key: int = 0):
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        if "q_norm" in self:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        if cache is not None:
-            k, v = cache.write(layer, k, v)
-        if first_key:
-            k, v = k[:, :, first_key:], v[:, :, first_key:]
-        out = tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class GemmaMLP(nn.Module):
