@@ -29,16 +29,18 @@ CASES = {
                                                              "rope_theta": 1000000.0}),
     "qwen3-linear": dict(model_type="qwen3", rope_parameters={
         "rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}),
-    "mistral-window": dict(model_type="mistral", sliding_window=8),
+    "mistral-window": dict(model_type="mistral", sliding_window=8, rope_parameters={
+        "rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0}),
     "phi3-longrope": dict(model_type="phi3", original_max_position_embeddings=24,
                           rope_parameters={
-                              "rope_type": "longrope", "rope_theta": 10000.0,
+                              "rope_type": "longrope", "rope_theta": 20000.0,
                               "partial_rotary_factor": 0.5,
                               "short_factor": [1.0, 1.1, 1.3, 1.6],
                               "long_factor": [1.0, 2.0, 4.0, 8.0],
                               "original_max_position_embeddings": 24}),
     "gemma2": dict(model_type="gemma2", sliding_window=8, query_pre_attn_scalar=16,
-                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   rope_parameters={"rope_type": "linear", "rope_theta": 50000.0, "factor": 2.0}),
     "gemma3": dict(model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=16,
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default",
@@ -46,9 +48,14 @@ CASES = {
                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                        "rope_theta": 1000000.0}}),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
-                    sliding_window=8),
+                    sliding_window=8, rope_parameters={
+                        "rope_type": "llama3", "rope_theta": 1000000.0, "factor": 4.0,
+                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 32}),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                      rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0,
+                                       "factor": 4.0}),
 }
 INPUTS = {"short": list(range(3, 15)),
           "long": [int(t) for t in np.random.default_rng(0).integers(3, 290, size=40)]}
