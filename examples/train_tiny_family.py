@@ -7,15 +7,25 @@ real target/drafter pair of one family. This script makes it, reproducibly.
 Stages (each resumable; a finished stage is skipped, an interrupted one continues from its
 last checkpoint in --work):
 
-  corpus     collect stdlib sources (no test suites, no site-packages), split by module into
-             train / held-out, write the split to <out>/split.json
-  tokenizer  byte-level BPE, vocabulary 8192, <|bos|> <|eos|> <|pad|>
-  target     train the target (next-token loss) for --target-minutes of wall time
-  drafter    distil the drafter from the target's logits for --drafter-minutes
+  corpus     collect stdlib sources (no test suites, no site-packages) and the sources of the
+             PACKAGES below (fetched by name as source distributions, refused if installed
+             here), split by module into train / held-out, write the split to <out>/split.json
+  tokenizer  byte-level BPE, vocabulary 8192, <|bos|> <|eos|> <|pad|> (with --resume-from:
+             the family's own tokenizer, which its weights need)
+  target     train the target (next-token loss) for --target-minutes of wall time or
+             --target-tokens
+  outputs    the target's own greedy and sampled continuations of training windows, which the
+             drafter is distilled on beside the corpus (what acceptance depends on)
+  drafter    distil the drafter from the target's logits for --drafter-minutes / -tokens
   export     write Hugging Face format (config.json, model.safetensors in bf16,
              generation_config.json, tokenizer files) into <out>/target, <out>/drafters/<name>
 
-Training uses PyTorch on CPU (measured here: about 2x faster than MLX CPU for training).
+--resume-from <family dir> starts both models from that family's weights (a warm restart: the
+optimizer state is not part of a family, so AdamW starts afresh with a short warm-up to half
+the peak learning rate); a second session adds tokens instead of starting over.
+
+Training uses PyTorch on CPU (measured here: about 2x faster than MLX CPU for training) or,
+with --device cuda, an NVIDIA GPU.
 
     pip install -e ".[train]"
     python examples/train_tiny_family.py --out treegraft_mlx/fixtures/tg-tiny
@@ -25,36 +35,94 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
 import random
+import re
+import shutil
+import subprocess
+import sys
 import sysconfig
+import tarfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 HELDOUT_PERCENT = 10  # modules whose name hashes below this percentile are held out
 DOC_SEPARATOR = "<|eos|>"
+# Well-known, permissively licensed, pure-Python packages beside the stdlib: none of them is
+# installed in this project's environment (checked when fetched). Licence as each declares it.
+PACKAGES = {
+    "toolz==1.2.0": "BSD-3-Clause", "more-itertools==11.2.1": "MIT",
+    "boltons==26.2.0": "BSD-3-Clause", "bottle==0.13.4": "MIT", "arrow==1.4.0": "Apache-2.0",
+    "tabulate==0.10.0": "MIT", "marshmallow==4.4.0": "MIT", "tomlkit==0.15.2": "MIT",
+    "sqlparse==0.6.1": "BSD-3-Clause", "django==5.2.19": "BSD-3-Clause",
+}
+SKIP_DIRS = {"test", "tests", "testing", "docs", "doc", "examples", "benchmarks", "scripts",
+             "site-packages", "dist-packages", "idle_test", "__pycache__"}
 
 
 # ----------------------------------------------------------------------------- corpus
 
-def stdlib_modules() -> list[tuple[str, Path]]:
-    """(module name, path) for every .py file of the interpreter's stdlib, tests excluded."""
+def is_source(rel: Path) -> bool:
+    """A module's own code: no test suites, docs, examples or packaging scripts."""
+    return (not any(part in SKIP_DIRS for part in rel.parts[:-1])
+            and not rel.name.startswith("test_") and rel.name not in ("setup.py", "conftest.py"))
+
+
+def stdlib_modules() -> list[tuple[str, str]]:
+    """(module name, text) for every .py file of the interpreter's stdlib, tests excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip_dirs = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
-        if any(part in skip_dirs for part in rel.parts[:-1]):
-            continue
-        if rel.name.startswith("test_"):
-            continue
-        found.append((".".join(rel.with_suffix("").parts), path))
+        if is_source(rel):
+            try:
+                found.append((".".join(rel.with_suffix("").parts), path.read_text(encoding="utf-8")))
+            except (UnicodeDecodeError, OSError):
+                continue
+    return found
+
+
+def package_modules(work: Path, spec: str) -> list[tuple[str, str]]:
+    """(module name, text) of one package's source distribution, fetched by name from the
+    package index (never from this environment: an installed package is refused)."""
+    name, version = spec.split("==")
+    try:
+        importlib.metadata.distribution(name)
+        raise SystemExit(f"{name} is installed in this environment: the corpus takes only "
+                         "packages the project does not run on")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    dest = work / "sdists"
+
+    def normal(text: str) -> str:
+        return re.sub(r"[-_.]+", "_", text).lower()
+
+    def fetched() -> Optional[Path]:
+        want = normal(f"{name}-{version}")
+        return next((a for a in dest.glob("*.tar.gz")
+                     if normal(a.name.removesuffix(".tar.gz")) == want), None)
+
+    if fetched() is None:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                        "--no-binary", ":all:", spec, "-d", str(dest)], check=True)
+    archive = fetched()
+    if archive is None:
+        raise SystemExit(f"pip fetched no {name}-{version}.tar.gz into {dest}")
+    found = []
+    with tarfile.open(archive) as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            rel = Path(*Path(member.name).parts[1:])  # drop the <name>-<version>/ root
+            if member.isfile() and rel.suffix == ".py" and is_source(rel):
+                text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                found.append((f"{name}/{rel.as_posix()}", text))
     return found
 
 
@@ -64,21 +132,20 @@ def is_heldout(module: str) -> bool:
     return bucket < HELDOUT_PERCENT
 
 
-def stage_corpus(work: Path, out: Path) -> None:
+def stage_corpus(work: Path, out: Path, packages: list[str]) -> None:
     if (work / "train.txt").exists():
         return
     train, held, split = [], [], {"train": [], "heldout": []}
-    for module, path in stdlib_modules():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if not text.strip():
-            continue
-        side = "heldout" if is_heldout(module) else "train"
-        (held if side == "heldout" else train).append(text)
-        split[side].append(module)
+    sources = {"stdlib": stdlib_modules(), **{p: package_modules(work, p) for p in packages}}
+    for source, modules in sources.items():
+        for module, text in modules:
+            if not text.strip():
+                continue
+            side = "heldout" if is_heldout(module) else "train"
+            (held if side == "heldout" else train).append(text)
+            split[side].append(module)
     split["python"] = sysconfig.get_python_version()
+    split["packages"] = {p: PACKAGES.get(p, "unknown") for p in packages}
     split["rule"] = f"sha256(module name) % 100 < {HELDOUT_PERCENT} -> heldout"
     out.mkdir(parents=True, exist_ok=True)
     (out / "split.json").write_text(json.dumps(split, indent=1))
@@ -90,8 +157,11 @@ def stage_corpus(work: Path, out: Path) -> None:
 
 # ----------------------------------------------------------------------------- tokenizer
 
-def stage_tokenizer(work: Path) -> None:
+def stage_tokenizer(work: Path, resume_from: Optional[Path] = None) -> None:
     if (work / "tokenizer.json").exists():
+        return
+    if resume_from is not None:  # the family's weights only mean something with its tokenizer
+        shutil.copy(resume_from / "target" / "tokenizer.json", work / "tokenizer.json")
         return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -108,6 +178,27 @@ def stage_tokenizer(work: Path) -> None:
     tok.train_from_iterator(docs, trainer=trainer)
     tok.save(str(work / "tokenizer.json"))
     print(f"tokenizer: vocabulary {tok.get_vocab_size()}")
+
+
+def corpus_report(work: Path, split: dict) -> dict:
+    """Modules and tokens per source (the stdlib, each package) on each side of the split, and
+    each package's licence: what the model card lists."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(work / "tokenizer.json"))
+    report: dict = {}
+    for side in ("train", "heldout"):
+        docs = json.loads((work / f"{side}.json").read_text())
+        for module, enc in zip(split[side], tok.encode_batch(docs)):
+            source = module.split("/")[0] if "/" in module else "stdlib"
+            entry = report.setdefault(source, {"train_tokens": 0, "heldout_tokens": 0,
+                                               "train_modules": 0, "heldout_modules": 0})
+            entry[f"{side}_tokens"] += len(enc.ids) + 1  # + <|eos|>
+            entry[f"{side}_modules"] += 1
+    for spec, licence in split.get("packages", {}).items():
+        report.setdefault(spec.split("==")[0], {})["licence"] = licence
+        report[spec.split("==")[0]]["version"] = spec.split("==")[1]
+    return report
 
 
 def encode_corpus(work: Path, name: str) -> np.ndarray:
@@ -255,13 +346,26 @@ def n_params(model) -> int:
 
 # ----------------------------------------------------------------------------- training
 
-def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
+def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator,
+            device: str = "cpu", rows: bool = False):
+    """(inputs, next tokens) of random windows of a token stream, or of random whole rows of
+    a (n, seq + 1) array with `rows`."""
     import torch
 
     while True:
-        starts = rng.integers(0, len(data) - seq - 1, size=batch)
-        chunk = np.stack([data[s: s + seq + 1] for s in starts]).astype(np.int64)
-        yield torch.from_numpy(chunk[:, :-1]), torch.from_numpy(chunk[:, 1:])
+        if rows:
+            chunk = data[rng.integers(0, len(data), size=batch)].astype(np.int64)
+        else:
+            starts = rng.integers(0, len(data) - seq - 1, size=batch)
+            chunk = np.stack([data[s: s + seq + 1] for s in starts]).astype(np.int64)
+        chunk = torch.from_numpy(chunk).to(device)
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+def alternate(*streams):
+    while True:
+        for stream in streams:
+            yield next(stream)
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -281,6 +385,9 @@ class RunSpec:
     peak_lr: float
     warmup: int = 50
     seed: int = 0
+    tokens: Optional[int] = None  # a token budget instead of a wall-clock one
+    device: str = "cpu"
+    init_from: Optional[Path] = None  # a model directory to start from (warm restart)
 
 
 def evaluate(model, data: np.ndarray, seq: int, teacher=None, max_tokens: int = 200_000):
@@ -289,12 +396,13 @@ def evaluate(model, data: np.ndarray, seq: int, teacher=None, max_tokens: int = 
     import torch.nn.functional as F
 
     model.eval()
+    device = next(model.parameters()).device
     n = min(len(data) - 1, max_tokens) // seq
     losses, agree, count = 0.0, 0, 0
     with torch.no_grad():
         for i in range(0, n, 8):
             rows = [data[(i + j) * seq: (i + j) * seq + seq + 1] for j in range(min(8, n - i))]
-            chunk = torch.from_numpy(np.stack(rows).astype(np.int64))
+            chunk = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
             x, y = chunk[:, :-1], chunk[:, 1:]
             logits = model(x)
             losses += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -305,7 +413,8 @@ def evaluate(model, data: np.ndarray, seq: int, teacher=None, max_tokens: int = 
     return losses / count, (agree / count if teacher is not None else None)
 
 
-def train(work: Path, cfg: Config, spec: RunSpec, teacher=None) -> None:
+def train(work: Path, cfg: Config, spec: RunSpec, teacher=None,
+          outputs: Optional[np.ndarray] = None) -> None:
     """Train one model for a wall-clock budget; checkpoints every few minutes; resumable.
 
     With a teacher, the loss is KL(teacher || student) on temperature-1 logits plus a small
@@ -322,11 +431,17 @@ def train(work: Path, cfg: Config, spec: RunSpec, teacher=None) -> None:
     data = encode_corpus(work, "train")
     held = encode_corpus(work, "heldout")
     model = build_model(cfg)
+    if spec.init_from is not None:
+        load_weights(model, spec.init_from)
+        print(f"{spec.name}: warm restart from {spec.init_from}")
+    model.to(spec.device)
     step_fn = torch.compile(model)  # measured here: ~1.45x faster training on CPU
     opt = torch.optim.AdamW(model.parameters(), lr=spec.peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     ckpt = work / f"{spec.name}.ckpt.pt"
     state = {"step": 0, "elapsed": 0.0, "log": [], "total_steps": None}
+    if spec.tokens:
+        state["total_steps"] = max(1, spec.tokens // (spec.batch * spec.seq))
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         model.load_state_dict(saved["model"])
@@ -335,7 +450,10 @@ def train(work: Path, cfg: Config, spec: RunSpec, teacher=None) -> None:
         print(f"{spec.name}: resumed at step {state['step']}")
     print(f"{spec.name}: {n_params(model) / 1e6:.2f}M parameters, {len(data) / 1e6:.2f}M train tokens")
     rng = np.random.default_rng(spec.seed + state["step"])
-    stream = batches(data, spec.batch, spec.seq, rng)
+    stream = batches(data, spec.batch, spec.seq, rng, spec.device)
+    if outputs is not None:  # alternate corpus batches with the target's own continuations
+        stream = alternate(stream, batches(outputs, spec.batch, outputs.shape[1] - 1, rng,
+                                           spec.device, rows=True))
     budget = spec.minutes * 60
     last_ckpt = time.time()
 
@@ -362,13 +480,14 @@ def train(work: Path, cfg: Config, spec: RunSpec, teacher=None) -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = next(stream)
-        logits = step_fn(x)
+        with torch.autocast(spec.device, dtype=torch.bfloat16, enabled=spec.device == "cuda"):
+            logits = step_fn(x).float()
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         if teacher is not None:
             with torch.no_grad():
-                t_logp = F.log_softmax(teacher(x), -1)
+                t_logp = F.log_softmax(teacher(x).float(), -1)
             kl = F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True,
-                          reduction="batchmean") / spec.seq
+                          reduction="batchmean") / x.shape[1]
             loss = kl + 0.1 * ce
         else:
             loss = ce
@@ -400,10 +519,60 @@ def load_trained(work: Path, name: str, cfg: Config):
     import torch
 
     model = build_model(cfg)
-    saved = torch.load(work / f"{name}.done.pt", weights_only=False)
+    saved = torch.load(work / f"{name}.done.pt", weights_only=False, map_location="cpu")
     model.load_state_dict(saved["model"])
     model.eval()
     return model, saved["state"]
+
+
+def load_weights(model, model_dir: Path) -> None:
+    """A family model's exported weights (bf16 safetensors, tied head) into `model`, in fp32."""
+    from safetensors.torch import load_file
+
+    tensors = {k: v.float() for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"{model_dir} does not fit this architecture: missing {missing}, "
+                         f"unexpected {unexpected}")
+
+
+def stage_outputs(work: Path, target, count: int, device: str, prefix: int = 192,
+                  new: int = 128, batch: int = 32) -> np.ndarray:
+    """The target's own continuations of `count` random training windows: half greedy, half
+    sampled at temperature 0.7 / top-p 0.95 (the bench's sampled setting). (count, prefix +
+    new) uint16, cached. No KV cache: cheap on a GPU, slow on a CPU."""
+    import torch
+
+    cache = work / "outputs.npy"
+    if cache.exists():
+        return np.load(cache)
+    data = encode_corpus(work, "train")
+    rng = np.random.default_rng(7)
+    torch.manual_seed(7)
+    target.to(device)
+    rows = []
+    with torch.no_grad():
+        for first in range(0, count, batch):
+            n = min(batch, count - first)
+            starts = rng.integers(0, len(data) - prefix, size=n)
+            x = torch.from_numpy(np.stack([data[s: s + prefix] for s in starts]).astype(np.int64))
+            x = x.to(device)
+            sampled = first >= count // 2
+            for _ in range(new):
+                logits = target(x)[:, -1].float()
+                if sampled:
+                    probs = torch.softmax(logits / 0.7, -1)
+                    ranked, order = probs.sort(-1, descending=True)
+                    ranked[(ranked.cumsum(-1) - ranked) > 0.95] = 0.0
+                    pick = order.gather(-1, torch.multinomial(ranked, 1))
+                else:
+                    pick = logits.argmax(-1, keepdim=True)
+                x = torch.cat([x, pick], 1)
+            rows.append(x.cpu().numpy().astype(np.uint16))
+            print(f"outputs: {first + n}/{count}", flush=True)
+    out = np.concatenate(rows)
+    np.save(cache, out)
+    return out
 
 
 # ----------------------------------------------------------------------------- export
@@ -463,8 +632,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("treegraft_mlx/fixtures/tg-tiny"))
     ap.add_argument("--target-minutes", type=float, default=75)
     ap.add_argument("--drafter-minutes", type=float, default=30)
+    ap.add_argument("--target-tokens", type=float, default=None,
+                    help="train the target on this many tokens (instead of minutes)")
+    ap.add_argument("--drafter-tokens", type=float, default=None)
+    ap.add_argument("--outputs", type=int, default=512,
+                    help="target continuations to distil the drafter on (0: corpus only)")
+    ap.add_argument("--packages", default=",".join(PACKAGES),
+                    help="source distributions added to the stdlib ('' for the stdlib only)")
+    ap.add_argument("--resume-from", type=Path, default=None,
+                    help="a family directory whose weights (and tokenizer) training starts from")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--stages", default="corpus,tokenizer,target,drafter,export")
+    ap.add_argument("--stages", default="corpus,tokenizer,target,outputs,drafter,export")
     args = ap.parse_args()
 
     import torch
@@ -473,24 +652,40 @@ def main() -> None:
     random.seed(0)
     args.work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
-    target_spec = RunSpec("target", args.target_minutes, batch=4, seq=1024, peak_lr=1.5e-3)
-    drafter_spec = RunSpec("drafter", args.drafter_minutes, batch=4, seq=1024, peak_lr=2e-3, seed=1)
+    resume = args.resume_from
+    warm = 0.5 if resume else 1.0  # a warm restart peaks at half the learning rate
+    target_spec = RunSpec("target", args.target_minutes, batch=4, seq=1024, peak_lr=1.5e-3 * warm,
+                          tokens=int(args.target_tokens or 0) or None, device=args.device,
+                          init_from=resume / "target" if resume else None)
+    drafter_spec = RunSpec("drafter", args.drafter_minutes, batch=4, seq=1024,
+                           peak_lr=2e-3 * warm, seed=1,
+                           tokens=int(args.drafter_tokens or 0) or None, device=args.device,
+                           init_from=resume / "drafters/tg-tiny-draft" if resume else None)
     if "corpus" in stages:
-        stage_corpus(args.work, args.out)
+        stage_corpus(args.work, args.out, [p for p in args.packages.split(",") if p])
     if "tokenizer" in stages:
-        stage_tokenizer(args.work)
+        stage_tokenizer(args.work, resume)
     if "target" in stages:
         train(args.work, TARGET, target_spec)
+    outputs = None
+    if "outputs" in stages and args.outputs:
+        teacher, _ = load_trained(args.work, "target", TARGET)
+        outputs = stage_outputs(args.work, teacher, args.outputs, args.device)
     if "drafter" in stages:
         teacher, _ = load_trained(args.work, "target", TARGET)
+        teacher.to(args.device)
         for p in teacher.parameters():
             p.requires_grad_(False)
         teacher = torch.compile(teacher)
-        train(args.work, DRAFTER, drafter_spec, teacher=teacher)
+        if outputs is None and (args.work / "outputs.npy").exists():
+            outputs = np.load(args.work / "outputs.npy")
+        train(args.work, DRAFTER, drafter_spec, teacher=teacher, outputs=outputs)
     if "export" in stages:
         report = {
             "target": export(args.work, args.out, "target", TARGET, Path("target")),
             "drafter": export(args.work, args.out, "drafter", DRAFTER, Path("drafters/tg-tiny-draft")),
+            "corpus": corpus_report(args.work, json.loads((args.out / "split.json").read_text())),
+            "resumed_from": str(resume) if resume else None,
         }
         (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
         tok_hash = hashlib.sha256((args.work / "tokenizer.json").read_bytes()).hexdigest()
