@@ -24,6 +24,9 @@ def family_options(f):
                      help="ar, chain[:k], ngram, draft, treegraft or treegraft-fixed:<layers>.")(f)
     f = click.option("--draft-model", "draft_models", multiple=True,
                      help="Drafter model path (repeatable; the last one is the strong drafter).")(f)
+    f = click.option("--pipeline", is_flag=True,
+                     help="Split the target's layers over the processes mlx.launch started "
+                     "(--hosts / --hostfile); rank 0 drafts and prints.")(f)
     f = click.option("--autotune/--no-autotune", default=True, show_default=True,
                      help="Measure this device's step costs on the first run of a model pair "
                      "(cached); without, steps verify the bundle's fixed tree.")(f)
@@ -46,12 +49,17 @@ def sampling_options(f):
     return f
 
 
-def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: bool = True):
+def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: bool = True,
+                pipeline: bool = False):
+    """The family to generate with; None on a pipeline rank other than 0, once rank 0 is done
+    (it served its layers meanwhile)."""
     from .engine import load
+    from .pipeline import PipelineError
 
     try:
-        return load(model or fixture_path(), drafters=draft_models, autotune=autotune)
-    except (LoadError, MemoryError) as e:
+        return load(model or fixture_path(), drafters=draft_models, autotune=autotune,
+                    pipeline=pipeline)
+    except (LoadError, MemoryError, PipelineError) as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -64,15 +72,18 @@ def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: b
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--verbose", is_flag=True, help="Print a statistics line to stderr.")
 @click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
-def generate(model, autotune, draft_models, strategy, prompt, max_tokens, temp, top_p, top_k,
-             min_p, seed, chat_template, as_json, verbose, color) -> None:
+def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_tokens, temp,
+             top_p, top_k, min_p, seed, chat_template, as_json, verbose, color) -> None:
     """Generate text from a prompt, streamed to stdout."""
     from .engine import stream_generate
     from .generate import chat_prompt
+    from .pipeline import PipelineError
 
+    family = load_family(model, draft_models, autotune, pipeline)
+    if family is None:
+        return
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    family = load_family(model, draft_models, autotune)
     if chat_template and getattr(family.tokenizer, "chat_template", None):
         prompt = chat_prompt(family.tokenizer, [{"role": "user", "content": prompt}])
     text, ids, last, decoders = "", [], None, []
@@ -85,7 +96,7 @@ def generate(model, autotune, draft_models, strategy, prompt, max_tokens, temp, 
             last = r
             if not as_json:
                 click.echo(_colored(family.tokenizer, r) if color else r.text, nl=False)
-    except ValueError as e:
+    except (ValueError, PipelineError) as e:
         raise click.ClickException(str(e)) from None
     steps = last.steps if last else 0
     if as_json:
@@ -114,8 +125,8 @@ def _colored(tokenizer, r) -> str:
 @main.command()
 @family_options
 @sampling_options
-def chat(model, autotune, draft_models, strategy, max_tokens, temp, top_p, top_k, min_p,
-         seed) -> None:
+def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, top_p, top_k,
+         min_p, seed) -> None:
     """Interactive multi-turn chat, streamed; caches are reused across turns.
 
     Commands: /reset forgets the conversation, /stats shows the last turn's statistics,
@@ -125,7 +136,9 @@ def chat(model, autotune, draft_models, strategy, max_tokens, temp, top_p, top_k
     from .generate import chat_prompt
     from .session import Session
 
-    family = load_family(model, draft_models, autotune)
+    family = load_family(model, draft_models, autotune, pipeline)
+    if family is None:
+        return
     session, messages, stats = Session(family), [], None
     click.echo("treegraft chat: /reset, /stats, /quit", err=True)
     while True:
@@ -172,7 +185,7 @@ def chat(model, autotune, draft_models, strategy, max_tokens, temp, top_p, top_k
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
-def serve(model, autotune, draft_models, strategy, host, port, max_tokens_limit,
+def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tokens_limit,
           max_body_bytes) -> None:
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
     from pathlib import Path
@@ -184,7 +197,9 @@ def serve(model, autotune, draft_models, strategy, host, port, max_tokens_limit,
         parse_strategy(strategy)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    family = load_family(model, draft_models, autotune)
+    family = load_family(model, draft_models, autotune, pipeline)
+    if family is None:
+        return
     model_id = Path(str(model)).name if model else "tg-tiny"
     server = make_server(family, host, port, ServerConfig(model_id, strategy, max_tokens_limit,
                                                           max_body_bytes))

@@ -613,12 +613,21 @@ def plan_probe(one_row_ms: float, limit: int) -> ProbePlan:
 
 def load(target_path_or_bundle: Union[str, Path], drafters: Sequence = (),
          tree: Optional[TreeConfig] = None, warmup: bool = True, autotune: bool = True,
-         **model_kwargs) -> Family:
+         pipeline: bool = False, **model_kwargs) -> Optional[Family]:
     """Load a family (family.load_family) and, with `warmup`, measure what this device's steps
     cost (and, with a strong drafter, what a call of it costs) unless cached, so the first
     generation does not pay for it: seconds, once per model pair and device. Without
-    `autotune` nothing is measured: steps verify the bundle's fixed tree (budget, pad)."""
-    family = load_family(target_path_or_bundle, drafters, tree, **model_kwargs)
+    `autotune` nothing is measured: steps verify the bundle's fixed tree (budget, pad).
+    With `pipeline` (under mlx.launch) the target is split over the ranks (pipeline.py); on
+    ranks other than 0 this serves rank 0 until it stops and returns None."""
+    if pipeline:
+        from .pipeline import start
+
+        family = start(target_path_or_bundle, drafters, tree, **model_kwargs)
+        if family is None:
+            return None
+    else:
+        family = load_family(target_path_or_bundle, drafters, tree, **model_kwargs)
     if not autotune:
         family.tree = dataclasses.replace(family.tree, adaptive=False)
     elif warmup:

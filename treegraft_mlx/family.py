@@ -95,11 +95,20 @@ def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
                             f"{getattr(a, attr, None)} vs {getattr(b, attr, None)}")
 
 
+def target_dir(target_path_or_bundle: Union[str, Path]) -> Path:
+    """The target model's directory: a bundle's `target`, or the path itself."""
+    root = resolve_path(target_path_or_bundle)
+    if (root / "treegraft.json").exists():
+        return root / family_manifest(root)["target"]
+    return root
+
+
 def load_family(target_path_or_bundle: Union[str, Path],
                 drafters: Sequence[Union[str, Path]] = (), tree: Optional[TreeConfig] = None,
-                **model_kwargs) -> Family:
+                target_stage=None, **model_kwargs) -> Family:
     """Load a family from a bundle directory (with treegraft.json) or a target plus drafters.
-    (`treegraft_mlx.load` also measures this device's costs on first use.)"""
+    (`treegraft_mlx.load` also measures this device's costs on first use.) target_stage: load
+    only a pipeline stage of the target (`pipeline.Stage`)."""
     root = resolve_path(target_path_or_bundle)
     manifest_file = root / "treegraft.json"
     settings, scheduler_dir, sampled_dir = {}, None, None
@@ -116,7 +125,7 @@ def load_family(target_path_or_bundle: Union[str, Path],
     else:
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
-    target, tokenizer = load_model(target_dir, **model_kwargs)
+    target, tokenizer = load_model(target_dir, stage=target_stage, **model_kwargs)
     loaded, paths = {}, {"target": target_dir}
     for name, d in drafter_dirs:
         paths[name] = d

@@ -114,8 +114,12 @@ def _quantize(model: Model, config: dict, weights: dict[str, mx.array]) -> Optio
     return q
 
 
-def _check_weights(model: Model, weights: dict[str, mx.array], where: Path) -> None:
+def _check_weights(model: Model, weights: dict[str, mx.array], where: Path, stage=None) -> None:
     expected = dict(tree_flatten(model.parameters()))
+    if stage is not None:  # a pipeline stage holds only some of the non-layer weights
+        tied = model.args.tie_word_embeddings
+        expected = {k: v for k, v in expected.items()
+                    if k.startswith("model.layers.") or stage.keeps(k, tied)}
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
@@ -129,19 +133,22 @@ def _check_weights(model: Model, weights: dict[str, mx.array], where: Path) -> N
                             f"{tuple(expected[name].shape)}")
 
 
-def estimate_bytes(args: ModelArgs, weight_bytes: int, context: int, dtype: mx.Dtype) -> int:
-    """Weights (as they will sit in memory) plus a KV cache of `context` tokens."""
-    return weight_bytes + KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads,
-                                            args.head_dim, context, dtype)
+def estimate_bytes(args: ModelArgs, weight_bytes: int, context: int, dtype: mx.Dtype,
+                   layers: Optional[int] = None) -> int:
+    """Weights (as they will sit in memory) plus a KV cache of `context` tokens for `layers`
+    (default: all of the model's)."""
+    return weight_bytes + KVCache.bytes_for(layers or args.num_hidden_layers,
+                                            args.num_key_value_heads, args.head_dim, context, dtype)
 
 
 def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
-               context: Optional[int] = None, lazy: bool = False):
+               context: Optional[int] = None, lazy: bool = False, stage=None):
     """Load a model and its tokenizer: `model, tokenizer = load_model(path)`.
 
     dtype: compute dtype (default: fp32 on CPU, the checkpoint's dtype on a GPU). context: the
     longest context to plan memory for (default: the model's limit); loading is refused with a
-    clear message when weights plus KV cache would not fit in memory.
+    clear message when weights plus KV cache would not fit in memory. stage: a
+    `pipeline.Stage`: only its layers (and embedding / head) are read and held.
     """
     path = resolve_path(path_or_repo)
     config = read_config(path)
@@ -153,25 +160,30 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
         raise LoadError(f"{path / 'config.json'} lacks a required field: {e}") from None
     model = build_model(args)
     weights = model.sanitize(_sanitize(read_weights(weight_files(path)), args))
+    if stage is not None:
+        stage.apply(model)
+        weights = {stage.local_name(k): v for k, v in weights.items()
+                   if stage.keeps(k, args.tie_word_embeddings)}
     quant = _quantize(model, config, weights)
-    _check_weights(model, weights, path)
+    _check_weights(model, weights, path, stage)
 
     float_dtypes = [w.dtype for w in weights.values() if mx.issubdtype(w.dtype, mx.floating)]
     target = device.compute_dtype(float_dtypes[0] if float_dtypes else mx.float32, dtype)
     weights = {k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
                for k, v in weights.items()}
     weight_bytes = sum(w.nbytes for w in weights.values())
-    need = estimate_bytes(args, weight_bytes, context or args.max_position_embeddings, target)
+    need = estimate_bytes(args, weight_bytes, context or args.max_position_embeddings, target,
+                          len(model.model.layers))
     have = device.available_memory()
     if need > have:
         raise MemoryError(
             f"{path}: needs about {need / 2**30:.2f} GiB (weights {weight_bytes / 2**30:.2f} GiB "
             f"+ KV cache for {context or args.max_position_embeddings} tokens) but only "
             f"{have / 2**30:.2f} GiB is available; pass a shorter context or a quantized model")
-    model.load_weights(list(weights.items()), strict=True)
+    model.load_weights(list(weights.items()), strict=stage is None)
     model.quantization = quant
     if not lazy:
-        mx.eval(model.parameters())
+        mx.eval(list(weights.values()) if stage is not None else model.parameters())
     model.eval()
     return model, load_tokenizer(path, config)
 

@@ -246,19 +246,28 @@ class Model(nn.Module):
         per token, default contiguous after the cache. mask: (L, context + L) boolean or
         additive, default causal. logits_rows: rows whose logits are wanted, default all.
         """
+        h = self.run_layers(self.embed(inputs), cache, positions, mask)
+        return self.head(h, logits_rows)
+
+    def run_layers(self, h: mx.array, cache: Optional[KVCache] = None,
+                   positions: Optional[mx.array] = None, mask=None) -> mx.array:
+        """The decoder layers this model holds (all of them, or a pipeline stage's slice)."""
         offset = cache.offset if cache is not None else 0
-        L = inputs.shape[1]
+        L = h.shape[1]
         pos: Positions = offset if positions is None else positions
         if mask is None and L > 1:
             mask = "causal"
-        h = self.embed(inputs)
         local = (windowed(mask, pos, offset, L, self.args.sliding_window)
-                 if any(self.args.sliding_layers) else None)
+                 if any(layer.sliding for layer in self.model.layers) else None)
         for i, layer in enumerate(self.model.layers):
             if layer.sliding:
                 h = layer(h, pos, local.mask, cache, i, local.first_key)
             else:
                 h = layer(h, pos, mask, cache, i)
+        return h
+
+    def head(self, h: mx.array, logits_rows: Optional[mx.array] = None) -> mx.array:
+        """Logits of the chosen rows (all by default) from the last layer's hidden states."""
         if logits_rows is not None:
             h = h[:, logits_rows]
         return self.logits(self.model.norm(h))
@@ -275,7 +284,7 @@ class Model(nn.Module):
         a = self.args
         if dtype is None:
             dtype = self.model.norm.weight.dtype
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim,
+        return KVCache(len(self.model.layers), a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

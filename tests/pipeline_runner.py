@@ -1,0 +1,47 @@
+"""Run by tests/test_pipeline.py under `mlx.launch` (one process per rank): the bundled family
+with its target split over the ranks. Modes: `generate` (rank 0 prints the token ids of every
+case as one JSON line), `die` (rank 2 ends itself mid-generation), `disagree` (the ranks
+compare different values)."""
+
+import json
+import os
+import sys
+import threading
+
+import treegraft_mlx  # noqa: F401  first: it loads the system BLAS before mlx
+import mlx.core as mx
+from treegraft_mlx import fixture_path, generate, load
+from treegraft_mlx.pipeline import Link, PipelineError
+
+PROMPTS = ["def parse(text):\n", "import os\n\n\ndef walk(root):\n"]
+CASES = [("ar", 0.0), ("ngram", 0.0), ("treegraft", 0.0), ("ar", 0.7), ("treegraft", 0.7)]
+
+
+def cases(family) -> dict:
+    """Token ids per (prompt, strategy, temperature); sampled with a fixed seed."""
+    return {f"{i}|{s}|{t}": generate(family, p, s, max_tokens=24, temp=t, top_p=0.95,
+                                     seed=3).token_ids
+            for i, p in enumerate(PROMPTS) for s, t in CASES}
+
+
+def main(mode: str) -> None:
+    rank = mx.distributed.init(strict=True).rank()
+    try:
+        if mode == "disagree":
+            Link(mx.distributed.init()).agree(f"value of rank {rank}", "a test value")
+            return
+        if mode == "die" and rank == 2:  # vanishes without a word (exit code 0, so that
+            threading.Timer(6.0, os._exit, [0]).start()  # mlx.launch does not end the others)
+        family = load(fixture_path(), pipeline=True, warmup=False, autotune=False)
+        if family is None:
+            return
+        if mode == "die":
+            generate(family, PROMPTS[0], "ar", max_tokens=100_000)
+        print(json.dumps(cases(family)), flush=True)
+    except PipelineError as e:
+        print(f"PipelineError: {e}", flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

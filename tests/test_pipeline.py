@@ -1,0 +1,71 @@
+"""The target split over local processes: mlx.launch, ring backend over 127.0.0.1."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from treegraft_mlx import fixture_path, load
+from treegraft_mlx.pipeline import PipelineError, plan_stages
+
+RUNNER = Path(__file__).parent / "pipeline_runner.py"
+needs_launch = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="no mlx.launch")
+
+
+def launch(ranks: int, mode: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["mlx.launch", "-n", str(ranks), "--backend", "ring", "--",
+                           sys.executable, str(RUNNER), mode],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def json_line(text: str) -> dict:
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, text[-2000:]
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict:
+    sys.path.insert(0, str(RUNNER.parent))
+    from pipeline_runner import cases
+
+    return cases(load(fixture_path(), warmup=False, autotune=False))
+
+
+@needs_launch
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_split_target_generates_what_one_process_does(one_process, ranks):
+    """Greedy (ar, ngram, treegraft) and seeded sampled (ar, treegraft) output, token for token."""
+    r = launch(ranks, "generate")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json_line(r.stdout) == one_process
+
+
+@needs_launch
+def test_a_lost_rank_ends_the_others_with_a_message():
+    t0 = time.monotonic()
+    r = launch(3, "die", timeout=300)
+    assert time.monotonic() - t0 < 120
+    assert "PipelineError: rank 0:" in r.stdout and "failed" in r.stdout, r.stdout[-2000:]
+
+
+@needs_launch
+def test_ranks_that_differ_refuse_to_start():
+    r = launch(2, "disagree", timeout=120)
+    assert r.stdout.count("the ranks differ in a test value") == 2, r.stdout[-2000:]
+
+
+def test_layers_are_cut_by_bytes():
+    stages = plan_stages([10] * 8, first_extra=30, last_extra=30, ranks=2)
+    assert [(s.first, s.last) for s in stages] == [(0, 4), (4, 8)]
+    stages = plan_stages([10] * 8, first_extra=40, last_extra=0, ranks=2)  # the embedding
+    assert [(s.first, s.last) for s in stages] == [(0, 2), (2, 8)]          # weighs on rank 0
+    stages = plan_stages([10] * 3, first_extra=100, last_extra=0, ranks=3)
+    assert [(s.first, s.last) for s in stages] == [(0, 1), (1, 2), (2, 3)]  # one layer each
+    assert stages[0].is_first and stages[-1].is_last and not stages[1].is_first
+    with pytest.raises(PipelineError, match="only 3 layers"):
+        plan_stages([10] * 3, 0, 0, ranks=4)

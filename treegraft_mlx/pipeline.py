@@ -1,0 +1,353 @@
+"""The target split by layers across machines (`mx.distributed`): rank 0 drafts, builds the tree
+and accepts; every rank holds a slice of the target's layers and its own KV cache.
+
+Launched by `mlx.launch` (ring backend over TCP by default, or MPI), e.g.
+    mlx.launch --hosts mac1,mac2 -- treegraft generate --pipeline --model <dir> --prompt ...
+Each rank loads only its own layers (cut by weight bytes; rank 0 also holds the embedding, the
+last rank the final norm and head). Per forward, rank 0 sends every rank a header (op, block
+size, context, mask kind) and the block's positions, tree-mask bits and logits rows, then its
+hidden states down the ranks; the last rank sends the chosen rows' logits back. Cache
+operations (commit, keep the accepted path, reset) are headers without a reply: every rank
+compacts its own cache and no extra round trip is spent on them. Every exchange has a
+deadline (TREEGRAFT_PIPELINE_TIMEOUT seconds, default 120; waiting for rank 0's next request,
+TREEGRAFT_PIPELINE_IDLE_TIMEOUT, default 3600): a lost peer or a missed deadline ends the rank
+with a message that names it, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .tree import TreeMask
+
+# header: op, rows, context, mask kind, mask words, logits rows (-1: all), positions kind, arg
+HEADER = 8
+FORWARD, COMMIT, KEEP, RESET, STOP, NEW = 1, 2, 3, 4, 5, 6
+NO_MASK, CAUSAL, TREE = 0, 1, 2
+
+
+class PipelineError(RuntimeError):
+    """A rank cannot go on: a peer was lost, did not answer in time, or differs."""
+
+
+def timeout_s(idle: bool = False) -> float:
+    name, default = (("TREEGRAFT_PIPELINE_IDLE_TIMEOUT", 3600.0) if idle
+                     else ("TREEGRAFT_PIPELINE_TIMEOUT", 120.0))
+    return float(os.environ.get(name, default))
+
+
+class Link:
+    """Point-to-point messages between ranks, each under a deadline.
+
+    MLX's ring backend raises when a peer's connection drops; a peer that hangs is caught by a
+    watchdog thread, which ends the process with a message (a blocked `mx.eval` cannot be
+    interrupted from Python)."""
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.comm_s = 0.0  # time spent in exchanges on this rank
+        self.broken = False  # a peer was lost: nothing more is sent
+        self._deadline: Optional[tuple[float, str]] = None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            pending = self._deadline
+            if pending is not None and time.monotonic() > pending[0]:
+                print(f"treegraft pipeline, rank {self.rank}: {pending[1]} timed out; "
+                      "ending this rank", file=sys.stderr, flush=True)
+                os._exit(3)
+
+    def _run(self, x: mx.array, what: str, idle: bool = False) -> mx.array:
+        t0 = time.perf_counter()
+        self._deadline = (time.monotonic() + timeout_s(idle), what)
+        try:
+            mx.eval(x)
+        except RuntimeError as e:
+            self.broken = True
+            raise PipelineError(f"rank {self.rank}: {what} failed: {e}") from None
+        finally:
+            self._deadline = None
+        if not idle:
+            self.comm_s += time.perf_counter() - t0
+        return x
+
+    def send(self, x: mx.array, dst: int, what: str) -> None:
+        self._run(mx.distributed.send(x, dst, group=self.group),
+                  f"sending {what} to rank {dst}")
+
+    def recv(self, shape, dtype, src: int, what: str, idle: bool = False) -> mx.array:
+        return self._run(mx.distributed.recv(tuple(shape), dtype, src, group=self.group),
+                         f"waiting for {what} from rank {src}", idle)
+
+    def agree(self, value: str, what: str) -> None:
+        """Every rank holds the same `value` (a version, a model), or every rank stops."""
+        digest = np.frombuffer(hashlib.sha256(value.encode()).digest()[:8], dtype=np.int32)
+        mine = mx.array(digest)
+        got = self._run(mx.distributed.all_gather(mine[None], group=self.group),
+                        f"comparing {what}")
+        if not (np.array(got) == np.array(mine)).all():
+            raise PipelineError(f"rank {self.rank}: the ranks differ in {what}; install the same "
+                                "package versions and the same model on every host")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One rank's share of the target: layers [first, last), the embedding on the first
+    stage, the final norm and head on the last (the embedding too when the head is tied)."""
+    first: int
+    last: int
+    is_first: bool
+    is_last: bool
+
+    def keeps(self, name: str, tied: bool) -> bool:
+        if name.startswith("model.layers."):
+            return self.first <= int(name.split(".")[2]) < self.last
+        if name.startswith("model.embed_tokens."):
+            return self.is_first or (self.is_last and tied)
+        return self.is_last  # model.norm, lm_head
+
+    def local_name(self, name: str) -> str:
+        """model.layers.<i>. -> model.layers.<i - first>. (this stage's own numbering)."""
+        if not name.startswith("model.layers."):
+            return name
+        parts = name.split(".")
+        parts[2] = str(int(parts[2]) - self.first)
+        return ".".join(parts)
+
+    def apply(self, model) -> None:
+        """Keep only this stage's layers in a (lazily initialised) model."""
+        model.model.layers = model.model.layers[self.first:self.last]
+
+
+def plan_stages(layer_bytes: Sequence[int], first_extra: int, last_extra: int,
+                ranks: int) -> list[Stage]:
+    """Contiguous layer ranges that even out each rank's bytes (rank 0 also holds
+    `first_extra`, the last rank `last_extra`); every rank gets at least one layer."""
+    n = len(layer_bytes)
+    if ranks > n:
+        raise PipelineError(f"{ranks} ranks but only {n} layers to split")
+    before = np.concatenate([[0], np.cumsum(layer_bytes)]) + first_extra  # bytes before layer i
+    total = before[-1] + last_extra
+    bounds = [0]
+    for k in range(1, ranks):
+        lo, hi = bounds[-1] + 1, n - (ranks - k)  # leave a layer for every later rank
+        share = total * k / ranks
+        bounds.append(min(range(lo, hi + 1), key=lambda i: abs(before[i] - share)))
+    bounds.append(n)
+    return [Stage(bounds[k], bounds[k + 1], k == 0, k == ranks - 1) for k in range(ranks)]
+
+
+def model_digest(path: Path) -> str:
+    """What makes two hosts' copies the same model: config.json and the weight files' sizes."""
+    from .loading import weight_files
+
+    files = sorted((f.name, f.stat().st_size) for f in weight_files(path))
+    return (path / "config.json").read_text() + json.dumps(files)
+
+
+def versions() -> str:
+    return json.dumps({p: metadata.version(p) for p in ("treegraft-mlx", "mlx", "mlx-lm")})
+
+
+def connect(target_dir: Path) -> tuple[Link, list[Stage]]:
+    """Join the group `mlx.launch` started, check every rank runs the same versions and model,
+    and cut the target's layers by bytes."""
+    from .loading import read_config, read_weights, weight_files
+    from .models import model_args
+
+    group = mx.distributed.init(strict=True)
+    if group.size() < 2:
+        raise PipelineError("--pipeline needs two or more processes: run it under mlx.launch "
+                            "(--hosts or --hostfile)")
+    link = Link(group)
+    link.agree(versions(), "package versions (treegraft-mlx, mlx, mlx-lm)")
+    link.agree(model_digest(target_dir), "the target model (config.json, weight files)")
+    args = model_args(read_config(target_dir))
+    weights = read_weights(weight_files(target_dir))  # lazily: only shapes are read here
+    per_layer = [0] * args.num_hidden_layers
+    embed = head = 0
+    for name, w in weights.items():
+        if name.startswith("model.layers."):
+            per_layer[int(name.split(".")[2])] += w.nbytes
+        elif name.startswith("model.embed_tokens."):
+            embed += w.nbytes
+        else:
+            head += w.nbytes
+    head += embed if args.tie_word_embeddings else 0
+    return link, plan_stages(per_layer, embed, head, link.size)
+
+
+def _header(op: int, cache: int = -1, rows: int = 0, context: int = 0, mask: int = NO_MASK,
+            words: int = 0, logits: int = -1, arg: int = 0) -> mx.array:
+    return mx.array([op, cache, rows, context, mask, words, logits, arg], dtype=mx.int32)
+
+
+def hidden_dtype(model) -> mx.Dtype:
+    """The dtype hidden states travel in: the stage's (loaded) layers' own."""
+    return model.model.layers[0].input_layernorm.weight.dtype
+
+
+class PipelineCache:
+    """Rank 0's handle on one KV cache held in slices by every rank: its own slice, and the
+    operations every other rank repeats on theirs (headers without a reply)."""
+
+    def __init__(self, local, link: Link, ident: int):
+        self.local, self.link, self.ident = local, link, ident
+
+    @property
+    def offset(self) -> int:
+        return self.local.offset
+
+    @property
+    def pending(self) -> int:
+        return self.local.pending
+
+    def _tell(self, op: int, arg: int = 0, payload: Optional[mx.array] = None) -> None:
+        for r in range(1, self.link.size):
+            self.link.send(_header(op, self.ident, arg=arg), r, "a cache operation")
+            if payload is not None:
+                self.link.send(payload, r, "the kept rows")
+
+    def commit(self, n: Optional[int] = None) -> None:
+        self.local.commit(n)
+        self._tell(COMMIT, -1 if n is None else n)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        self.local.keep(rows)
+        rows = [int(r) for r in rows]
+        self._tell(KEEP, len(rows), mx.array(rows, dtype=mx.int32) if rows else None)
+
+    def reset(self, length: int = 0) -> None:
+        self.local.reset(length)
+        self._tell(RESET, length)
+
+    def nbytes(self) -> int:
+        return self.local.nbytes()
+
+
+class PipelineTarget:
+    """Rank 0's view of the split target, called like a model: its own stage (embedding and
+    first layers) runs here, the rest on the other ranks, in order."""
+
+    def __init__(self, stage_model, link: Link, stages: list[Stage]):
+        self.stage_model, self.link, self.stages = stage_model, link, stages
+        self.args, self.model = stage_model.args, stage_model.model
+        self.quantization = getattr(stage_model, "quantization", None)
+        self._caches = 0
+        import atexit
+        atexit.register(self.close)
+
+    def make_cache(self, max_len: Optional[int] = None, dtype: Optional[mx.Dtype] = None):
+        self._caches += 1
+        for r in range(1, self.link.size):
+            self.link.send(_header(NEW, self._caches, arg=max_len or 0), r, "a new cache")
+        return PipelineCache(self.stage_model.make_cache(max_len, dtype), self.link,
+                             self._caches)
+
+    def __call__(self, inputs: mx.array, cache: Optional[PipelineCache] = None,
+                 positions: Optional[mx.array] = None, mask=None,
+                 logits_rows: Optional[mx.array] = None) -> mx.array:
+        rows = inputs.shape[1]
+        kind, words, context = NO_MASK, 0, cache.offset if cache is not None else 0
+        if isinstance(mask, TreeMask):
+            kind, words, context = TREE, mask.bits.shape[1], mask.context
+        elif isinstance(mask, str):
+            kind = CAUSAL
+        elif mask is not None:
+            raise PipelineError("a pipelined target takes tree masks, 'causal' or none")
+        n_logits = -1 if logits_rows is None else int(logits_rows.size)
+        header = _header(FORWARD, cache.ident if cache is not None else -1, rows, context, kind,
+                         words, n_logits, int(positions is not None))
+        for r in range(1, self.link.size):  # the block's layout travels once per step
+            self.link.send(header, r, "a forward's header")
+            if positions is not None:
+                self.link.send(positions.astype(mx.int32), r, "positions")
+            if kind == TREE:
+                self.link.send(mx.array(mask.bits), r, "the tree mask")
+            if r == self.link.size - 1 and logits_rows is not None:
+                self.link.send(logits_rows.astype(mx.int32), r, "logits rows")
+        local = cache.local if cache is not None else None
+        h = self.stage_model.run_layers(self.stage_model.embed(inputs), local, positions, mask)
+        self.link.send(h.astype(hidden_dtype(self.stage_model)), 1, "hidden states")
+        out_rows = rows if logits_rows is None else n_logits
+        return self.link.recv((1, out_rows, self.args.vocab_size), hidden_dtype(self.stage_model),
+                              self.link.size - 1, "logits")
+
+    def close(self) -> None:
+        """Ends the other ranks' loops (once; errors ignored: they may be gone already)."""
+        if self.link is None or self.link.broken:
+            return
+        link, self.link = self.link, None
+        for r in range(1, link.size):
+            try:
+                link.send(_header(STOP), r, "stop")
+            except PipelineError:
+                pass
+
+
+def serve_stage(model, link: Link, stage: Stage) -> None:
+    """A rank other than 0: run this stage's layers for rank 0's requests until it stops."""
+    caches: dict = {}
+    dtype = hidden_dtype(model)
+    while True:
+        op, ident, rows, context, kind, words, n_logits, arg = link.recv(
+            (HEADER,), mx.int32, 0, "rank 0's next request", idle=True).tolist()
+        if op == STOP:
+            return
+        if op == NEW:
+            caches[ident] = model.make_cache(arg or None)
+        elif op == COMMIT:
+            caches[ident].commit(None if arg < 0 else arg)
+        elif op == KEEP:
+            kept = link.recv((arg,), mx.int32, 0, "the kept rows").tolist() if arg else []
+            caches[ident].keep(kept)
+        elif op == RESET:
+            caches[ident].reset(arg)
+        elif op == FORWARD:
+            positions = link.recv((rows,), mx.int32, 0, "positions") if arg else None
+            mask = None if kind == NO_MASK else "causal"
+            if kind == TREE:
+                bits = link.recv((rows, words), mx.uint32, 0, "the tree mask")
+                mask = TreeMask(context, np.array(bits))
+            chosen = (link.recv((n_logits,), mx.int32, 0, "logits rows")
+                      if stage.is_last and n_logits >= 0 else None)
+            h = link.recv((1, rows, model.args.hidden_size), dtype, link.rank - 1,
+                          "hidden states")
+            h = model.run_layers(h, caches.get(ident), positions, mask)
+            if stage.is_last:
+                link.send(model.head(h, chosen).astype(dtype), 0, "logits")
+            else:
+                link.send(h, link.rank + 1, "hidden states")
+
+
+def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
+    """Rank 0: the family with its target split over the ranks (drafters stay here). Other
+    ranks: load their stage, serve rank 0 until it stops, then return None."""
+    from .family import load_family, target_dir
+    from .loading import load_model
+
+    path = target_dir(target_path_or_bundle)
+    link, stages = connect(path)
+    stage = stages[link.rank]
+    if link.rank != 0:
+        model, _ = load_model(path, stage=stage, **model_kwargs)
+        serve_stage(model, link, stage)
+        return None
+    family = load_family(target_path_or_bundle, drafters, tree, target_stage=stage,
+                         **model_kwargs)
+    family.target = PipelineTarget(family.target, link, stages)
+    return family
