@@ -1,6 +1,7 @@
 """The target split over local processes: mlx.launch, ring backend over 127.0.0.1."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,9 +18,12 @@ needs_launch = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="no
 
 
 def launch(ranks: int, mode: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The ranks share this machine's cores, and MLX's ring backend polls while it waits:
+    one BLAS thread per rank keeps them from starving each other."""
     return subprocess.run(["mlx.launch", "-n", str(ranks), "--backend", "ring", "--",
                            sys.executable, str(RUNNER), mode],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
 
 
 def json_line(text: str) -> dict:

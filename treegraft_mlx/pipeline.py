@@ -4,11 +4,13 @@ and accepts; every rank holds a slice of the target's layers and its own KV cach
 Launched by `mlx.launch` (ring backend over TCP by default, or MPI), e.g.
     mlx.launch --hosts mac1,mac2 -- treegraft generate --pipeline --model <dir> --prompt ...
 Each rank loads only its own layers (cut by weight bytes; rank 0 also holds the embedding, the
-last rank the final norm and head). Per forward, rank 0 sends every rank a header (op, block
-size, context, mask kind) and the block's positions, tree-mask bits and logits rows, then its
-hidden states down the ranks; the last rank sends the chosen rows' logits back. Cache
-operations (commit, keep the accepted path, reset) are headers without a reply: every rank
-compacts its own cache and no extra round trip is spent on them. Every exchange has a
+last rank the final norm and head). A forward is one message per hop, down the ranks and back:
+rank r sends rank r + 1 a frame (the block's size, context, positions, tree-mask bits and
+logits rows, the cache operations since the last forward, then its hidden states); the last
+rank sends the chosen rows' logits to rank 0. Cache operations (new cache, commit, keep the
+accepted path, reset) ride in the next frame: every rank compacts its own cache with no round
+trip of its own, and no hop carries two messages in a row (which TCP's small-packet delays
+would stall for tens of milliseconds). Every exchange has a
 deadline (TREEGRAFT_PIPELINE_TIMEOUT seconds, default 120; waiting for rank 0's next request,
 TREEGRAFT_PIPELINE_IDLE_TIMEOUT, default 3600): a lost peer or a missed deadline ends the rank
 with a message that names it, never a silent hang.
@@ -32,9 +34,12 @@ import numpy as np
 
 from .tree import TreeMask
 
-# header: op, rows, context, mask kind, mask words, logits rows (-1: all), positions kind, arg
-HEADER = 8
-FORWARD, COMMIT, KEEP, RESET, STOP, NEW = 1, 2, 3, 4, 5, 6
+# A frame: CONTROL int32 (kind, cache, rows, context, mask kind, mask words, logits rows (-1:
+# all), positions given, ops length), then ops, positions, mask bits, logits rows (int32),
+# then the hidden states (their bytes as int32).
+CONTROL = 9
+FORWARD, STOP = 1, 2
+NEW, COMMIT, KEEP, RESET = 1, 2, 3, 4  # cache operations: (op, cache, arg[, rows...])
 NO_MASK, CAUSAL, TREE = 0, 1, 2
 
 
@@ -191,11 +196,6 @@ def connect(target_dir: Path) -> tuple[Link, list[Stage]]:
     return link, plan_stages(per_layer, embed, head, link.size)
 
 
-def _header(op: int, cache: int = -1, rows: int = 0, context: int = 0, mask: int = NO_MASK,
-            words: int = 0, logits: int = -1, arg: int = 0) -> mx.array:
-    return mx.array([op, cache, rows, context, mask, words, logits, arg], dtype=mx.int32)
-
-
 def hidden_dtype(model) -> mx.Dtype:
     """The dtype hidden states travel in: the stage's (loaded) layers' own."""
     return model.model.layers[0].input_layernorm.weight.dtype
@@ -203,10 +203,10 @@ def hidden_dtype(model) -> mx.Dtype:
 
 class PipelineCache:
     """Rank 0's handle on one KV cache held in slices by every rank: its own slice, and the
-    operations every other rank repeats on theirs (headers without a reply)."""
+    operations the other ranks repeat on theirs (sent with the next forward)."""
 
-    def __init__(self, local, link: Link, ident: int):
-        self.local, self.link, self.ident = local, link, ident
+    def __init__(self, local, target: "PipelineTarget", ident: int):
+        self.local, self.target, self.ident = local, target, ident
 
     @property
     def offset(self) -> int:
@@ -216,27 +216,46 @@ class PipelineCache:
     def pending(self) -> int:
         return self.local.pending
 
-    def _tell(self, op: int, arg: int = 0, payload: Optional[mx.array] = None) -> None:
-        for r in range(1, self.link.size):
-            self.link.send(_header(op, self.ident, arg=arg), r, "a cache operation")
-            if payload is not None:
-                self.link.send(payload, r, "the kept rows")
-
     def commit(self, n: Optional[int] = None) -> None:
         self.local.commit(n)
-        self._tell(COMMIT, -1 if n is None else n)
+        self.target.ops += [COMMIT, self.ident, -1 if n is None else n]
 
     def keep(self, rows: Sequence[int]) -> None:
         self.local.keep(rows)
         rows = [int(r) for r in rows]
-        self._tell(KEEP, len(rows), mx.array(rows, dtype=mx.int32) if rows else None)
+        self.target.ops += [KEEP, self.ident, len(rows), *rows]
 
     def reset(self, length: int = 0) -> None:
         self.local.reset(length)
-        self._tell(RESET, length)
+        self.target.ops += [RESET, self.ident, length]
 
     def nbytes(self) -> int:
         return self.local.nbytes()
+
+
+def apply_ops(ops: list[int], caches: dict, model) -> None:
+    """A stage repeats rank 0's cache operations on its own slices."""
+    i = 0
+    while i < len(ops):
+        op, ident, arg = ops[i:i + 3]
+        i += 3
+        if op == NEW:
+            caches[ident] = model.make_cache(arg or None)
+        elif op == COMMIT:
+            caches[ident].commit(None if arg < 0 else arg)
+        elif op == KEEP:
+            caches[ident].keep(ops[i:i + arg])
+            i += arg
+        elif op == RESET:
+            caches[ident].reset(arg)
+
+
+def frame(control: list[int], ints: list[int], hidden: Optional[mx.array]) -> mx.array:
+    """One message: control, int32 payload, then the hidden states' bytes."""
+    parts = [mx.array(control + ints, dtype=mx.int32)]
+    if hidden is not None:
+        parts.append(hidden.reshape(-1).view(mx.int32))
+    return mx.concatenate(parts)
 
 
 class PipelineTarget:
@@ -247,91 +266,87 @@ class PipelineTarget:
         self.stage_model, self.link, self.stages = stage_model, link, stages
         self.args, self.model = stage_model.args, stage_model.model
         self.quantization = getattr(stage_model, "quantization", None)
+        self.ops: list[int] = []  # cache operations the next frame carries
         self._caches = 0
         import atexit
         atexit.register(self.close)
 
     def make_cache(self, max_len: Optional[int] = None, dtype: Optional[mx.Dtype] = None):
         self._caches += 1
-        for r in range(1, self.link.size):
-            self.link.send(_header(NEW, self._caches, arg=max_len or 0), r, "a new cache")
-        return PipelineCache(self.stage_model.make_cache(max_len, dtype), self.link,
-                             self._caches)
+        self.ops += [NEW, self._caches, max_len or 0]
+        return PipelineCache(self.stage_model.make_cache(max_len, dtype), self, self._caches)
 
     def __call__(self, inputs: mx.array, cache: Optional[PipelineCache] = None,
                  positions: Optional[mx.array] = None, mask=None,
                  logits_rows: Optional[mx.array] = None) -> mx.array:
         rows = inputs.shape[1]
         kind, words, context = NO_MASK, 0, cache.offset if cache is not None else 0
+        ints = list(self.ops)
+        if positions is not None:
+            ints += np.asarray(positions, dtype=np.int32).tolist()
         if isinstance(mask, TreeMask):
             kind, words, context = TREE, mask.bits.shape[1], mask.context
+            ints += mask.bits.view(np.int32).reshape(-1).tolist()
         elif isinstance(mask, str):
             kind = CAUSAL
         elif mask is not None:
             raise PipelineError("a pipelined target takes tree masks, 'causal' or none")
-        n_logits = -1 if logits_rows is None else int(logits_rows.size)
-        header = _header(FORWARD, cache.ident if cache is not None else -1, rows, context, kind,
-                         words, n_logits, int(positions is not None))
-        for r in range(1, self.link.size):  # the block's layout travels once per step
-            self.link.send(header, r, "a forward's header")
-            if positions is not None:
-                self.link.send(positions.astype(mx.int32), r, "positions")
-            if kind == TREE:
-                self.link.send(mx.array(mask.bits), r, "the tree mask")
-            if r == self.link.size - 1 and logits_rows is not None:
-                self.link.send(logits_rows.astype(mx.int32), r, "logits rows")
+        n_logits = -1
+        if logits_rows is not None:
+            chosen = np.asarray(logits_rows, dtype=np.int32).reshape(-1).tolist()
+            n_logits, ints = len(chosen), ints + chosen
+        control = [FORWARD, cache.ident if cache is not None else -1, rows, context, kind, words,
+                   n_logits, int(positions is not None), len(self.ops)]
+        self.ops = []
         local = cache.local if cache is not None else None
+        dtype = hidden_dtype(self.stage_model)
         h = self.stage_model.run_layers(self.stage_model.embed(inputs), local, positions, mask)
-        self.link.send(h.astype(hidden_dtype(self.stage_model)), 1, "hidden states")
+        self.link.send(frame(control, ints, h.astype(dtype)), 1, "a forward")
         out_rows = rows if logits_rows is None else n_logits
-        return self.link.recv((1, out_rows, self.args.vocab_size), hidden_dtype(self.stage_model),
-                              self.link.size - 1, "logits")
+        return self.link.recv((1, out_rows, self.args.vocab_size), dtype, self.link.size - 1,
+                              "logits")
 
     def close(self) -> None:
-        """Ends the other ranks' loops (once; errors ignored: they may be gone already)."""
+        """Ends the other ranks' loops (once; not after a peer was lost)."""
         if self.link is None or self.link.broken:
             return
         link, self.link = self.link, None
-        for r in range(1, link.size):
-            try:
-                link.send(_header(STOP), r, "stop")
-            except PipelineError:
-                pass
+        link.send(frame([STOP] + [0] * (CONTROL - 1), [], None), 1, "stop")
 
 
 def serve_stage(model, link: Link, stage: Stage) -> None:
     """A rank other than 0: run this stage's layers for rank 0's requests until it stops."""
     caches: dict = {}
     dtype = hidden_dtype(model)
+    prev, nxt = link.rank - 1, link.rank + 1
     while True:
-        op, ident, rows, context, kind, words, n_logits, arg = link.recv(
-            (HEADER,), mx.int32, 0, "rank 0's next request", idle=True).tolist()
-        if op == STOP:
+        control = link.recv((CONTROL,), mx.int32, prev, "rank 0's next request", idle=True)
+        kind, ident, rows, context, mask_kind, words, n_logits, has_pos, n_ops = control.tolist()
+        if kind == STOP:
+            if not stage.is_last:
+                link.send(control, nxt, "stop")
             return
-        if op == NEW:
-            caches[ident] = model.make_cache(arg or None)
-        elif op == COMMIT:
-            caches[ident].commit(None if arg < 0 else arg)
-        elif op == KEEP:
-            kept = link.recv((arg,), mx.int32, 0, "the kept rows").tolist() if arg else []
-            caches[ident].keep(kept)
-        elif op == RESET:
-            caches[ident].reset(arg)
-        elif op == FORWARD:
-            positions = link.recv((rows,), mx.int32, 0, "positions") if arg else None
-            mask = None if kind == NO_MASK else "causal"
-            if kind == TREE:
-                bits = link.recv((rows, words), mx.uint32, 0, "the tree mask")
-                mask = TreeMask(context, np.array(bits))
-            chosen = (link.recv((n_logits,), mx.int32, 0, "logits rows")
-                      if stage.is_last and n_logits >= 0 else None)
-            h = link.recv((1, rows, model.args.hidden_size), dtype, link.rank - 1,
-                          "hidden states")
-            h = model.run_layers(h, caches.get(ident), positions, mask)
-            if stage.is_last:
-                link.send(model.head(h, chosen).astype(dtype), 0, "logits")
-            else:
-                link.send(h, link.rank + 1, "hidden states")
+        n_ints = n_ops + rows * has_pos + rows * words * (mask_kind == TREE) + max(n_logits, 0)
+        ints = link.recv((n_ints,), mx.int32, prev, "a forward's layout") if n_ints else None
+        hidden_ints = rows * model.args.hidden_size * dtype.size // 4
+        h = link.recv((hidden_ints,), mx.int32, prev, "hidden states").view(dtype)
+        h = h.reshape(1, rows, model.args.hidden_size)
+        values = np.array(ints).tolist() if ints is not None else []
+        apply_ops(values[:n_ops], caches, model)
+        at = n_ops
+        positions = None
+        if has_pos:
+            positions, at = mx.array(values[at:at + rows], dtype=mx.int32), at + rows
+        mask = None if mask_kind == NO_MASK else "causal"
+        if mask_kind == TREE:
+            bits = np.array(values[at:at + rows * words], dtype=np.int32).view(np.uint32)
+            mask, at = TreeMask(context, bits.reshape(rows, words)), at + rows * words
+        chosen = mx.array(values[at:at + n_logits], dtype=mx.int32) if n_logits >= 0 else None
+        h = model.run_layers(h, caches.get(ident), positions, mask)
+        if stage.is_last:
+            link.send(model.head(h, chosen).astype(dtype), 0, "logits")
+        else:
+            link.send(frame(control.tolist(), values, h.astype(dtype)), nxt, "a forward")
 
 
 def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
@@ -343,11 +358,16 @@ def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
     path = target_dir(target_path_or_bundle)
     link, stages = connect(path)
     stage = stages[link.rank]
-    if link.rank != 0:
-        model, _ = load_model(path, stage=stage, **model_kwargs)
-        serve_stage(model, link, stage)
-        return None
-    family = load_family(target_path_or_bundle, drafters, tree, target_stage=stage,
-                         **model_kwargs)
+    try:
+        if link.rank != 0:
+            model, _ = load_model(path, stage=stage, **model_kwargs)
+            serve_stage(model, link, stage)
+            return None
+        family = load_family(target_path_or_bundle, drafters, tree, target_stage=stage,
+                             **model_kwargs)
+    except MemoryError as e:
+        raise PipelineError(f"rank {link.rank} (layers {stage.first}-{stage.last - 1} of "
+                            f"{stages[-1].last}, split over {link.size} ranks) does not fit: "
+                            f"{e}; add ranks or use a quantized model") from None
     family.target = PipelineTarget(family.target, link, stages)
     return family
