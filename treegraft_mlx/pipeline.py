@@ -301,7 +301,9 @@ class PipelineTarget:
         local = cache.local if cache is not None else None
         dtype = hidden_dtype(self.stage_model)
         h = self.stage_model.run_layers(self.stage_model.embed(inputs), local, positions, mask)
-        self.link.send(frame(control, ints, h.astype(dtype)), 1, "a forward")
+        h = h.astype(dtype)
+        mx.eval(h)  # this stage's own compute stays outside the exchange's deadline
+        self.link.send(frame(control, ints, h), 1, "a forward")
         out_rows = rows if logits_rows is None else n_logits
         return self.link.recv((1, out_rows, self.args.vocab_size), dtype, self.link.size - 1,
                               "logits")
@@ -343,10 +345,12 @@ def serve_stage(model, link: Link, stage: Stage) -> None:
             mask, at = TreeMask(context, bits.reshape(rows, words)), at + rows * words
         chosen = mx.array(values[at:at + n_logits], dtype=mx.int32) if n_logits >= 0 else None
         h = model.run_layers(h, caches.get(ident), positions, mask)
+        out = (model.head(h, chosen) if stage.is_last else h).astype(dtype)
+        mx.eval(out)  # compute outside the exchange's deadline
         if stage.is_last:
-            link.send(model.head(h, chosen).astype(dtype), 0, "logits")
+            link.send(out, 0, "logits")
         else:
-            link.send(frame(control.tolist(), values, h.astype(dtype)), nxt, "a forward")
+            link.send(frame(control.tolist(), values, out), nxt, "a forward")
 
 
 def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
