@@ -26,7 +26,7 @@ from typing import Optional, Union
 import mlx.core as mx
 import numpy as np
 
-from .tree import TreeMask
+from .tree import TreeMask, attention_mask
 
 
 Mask = Optional[Union[str, mx.array, TreeMask]]
@@ -172,18 +172,14 @@ def kernel_trusted(kind: str, path: str, dtype: mx.Dtype, head_dim: int, gqa: in
     rng = np.random.default_rng(0)
     rows = 40 if path == "split" else 5
     context = 3 * 16 + 5 if path == "split" else 37
-    parent = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, rows)])
-    block = np.eye(rows, dtype=bool)
-    for i in range(1, rows):
-        block[i] |= block[parent[i]]
-    mask = TreeMask.from_bool(block, context)
+    mask = attention_mask([-1] + [int(rng.integers(0, i)) for i in range(1, rows)], context)
     q = mx.array(rng.standard_normal((1, 2 * gqa, rows, head_dim)).astype(np.float32)).astype(dtype)
     k, v = (mx.array(rng.standard_normal((1, 2, context + rows, head_dim)).astype(np.float32))
             .astype(dtype) for _ in range(2))
     scale = head_dim ** -0.5
     got = run_path(path, q, k, v, scale, mask, kind, chunk=16).astype(mx.float32)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                mask=mx.array(mask.dense())).astype(mx.float32)
+                                                mask=dense_mask(mask)).astype(mx.float32)
     error = mx.abs(got - want).max().item()
     bound = CHECK_TOLERANCE.get(dtype, 6e-2) * max(1.0, mx.abs(want).max().item())
     if not error <= bound:  # NaN fails too
