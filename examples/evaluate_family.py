@@ -1,18 +1,27 @@
 """Measure the numbers of the fixture family's model card, on this machine, with this runtime.
 
-  - held-out loss (nats/token) of each model on the held-out stdlib modules
+  - held-out loss (nats/token) of each model on the held-out modules of the split: the
+    standard library's (comparable across families) and the corpus packages' (fetched by
+    name as the training script does)
   - drafter-vs-target greedy next-token agreement on held-out code (teacher forced)
   - one-token forward latency (fp32, 64 tokens of context) of each model, and their ratio
   - the target's greedy loop share on the public prompt suite, per category
+  - tokens per target forward of `ngram`, `draft` and `treegraft` on the public suite (greedy,
+    the bundle's fixed tree: deterministic, so families compare on a busy machine too)
 
     python examples/evaluate_family.py --json treegraft_mlx/fixtures/tg-tiny/evaluation.json
+
+A family before and after a change compare on one split: `--family OLD --split NEW/split.json`.
 """
 
 from __future__ import annotations
 
+import treegraft_mlx  # noqa: F401  first: it loads the system BLAS before mlx (blas.py)
+
 import argparse
 import json
 import statistics
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -25,17 +34,27 @@ from treegraft_mlx.bench import loop_share, read_prompts
 from treegraft_mlx.device import blas_library
 
 SUITE = Path(__file__).resolve().parents[1] / "benchmarks/prompts/public.jsonl"
+FORWARD_STRATEGIES = ("ngram", "draft", "treegraft")
 
 
-def heldout_ids(tokenizer, family_dir: Path) -> list[list[int]]:
-    split = json.loads((family_dir / "split.json").read_text())
+def heldout_ids(tokenizer, split: dict, work: Path) -> dict[str, list[list[int]]]:
+    """Token ids of the held-out documents, by source: "stdlib" and "packages" (the sdists
+    named in the split, cached in `work`/sdists as the training script keeps them)."""
+    held = set(split["heldout"])
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = []
+    texts: dict[str, list[str]] = {"stdlib": [], "packages": []}
     for module in split["heldout"]:
-        path = root.joinpath(*module.split(".")).with_suffix(".py")
-        text = path.read_text(encoding="utf-8")
-        docs.append(tokenizer.encode(text) + [tokenizer.eos_token_id])
-    return docs
+        if "/" not in module:
+            path = root.joinpath(*module.split(".")).with_suffix(".py")
+            texts["stdlib"].append(path.read_text(encoding="utf-8"))
+    if split.get("packages"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_tiny_family import package_modules
+
+        for spec in split["packages"]:
+            texts["packages"] += [t for m, t in package_modules(work, spec) if m in held]
+    return {source: [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in docs]
+            for source, docs in texts.items() if docs}
 
 
 def loss_and_agreement(target, drafter, docs, window: int = 1024, max_tokens: int = 150_000):
@@ -70,29 +89,58 @@ def one_token_ms(model, repeats: int = 60) -> float:
     return statistics.median(times[5:]) * 1000
 
 
+def tokens_per_forward(family_dir: Path, prompts: list[dict], max_tokens: int) -> dict:
+    """Generated tokens per target forward, per strategy, greedy with the fixed tree."""
+    family = load(family_dir, autotune=False)
+    out = {}
+    for strategy in FORWARD_STRATEGIES:
+        tokens = steps = 0
+        for p in prompts:
+            r = generate(family, p["prompt"], strategy, max_tokens=max_tokens)
+            tokens, steps = tokens + len(r.token_ids), steps + r.steps
+        out[strategy] = tokens / steps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--family", type=Path, default=None, help="default: the bundled fixture")
+    ap.add_argument("--split", type=Path, default=None, help="default: the family's split.json")
+    ap.add_argument("--work", type=Path, default=Path(".train/tg-tiny"),
+                    help="where the corpus packages' source distributions are cached")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--forward-tokens", type=int, default=64,
+                    help="new tokens per prompt when counting tokens per target forward")
+    ap.add_argument("--no-latency", action="store_true",
+                    help="skip the forward timings (a busy machine would falsify them)")
     args = ap.parse_args()
-    family_dir = fixture_path()
+    family_dir = args.family or fixture_path()
+    split = json.loads((args.split or family_dir / "split.json").read_text())
     family = load(family_dir)
     drafter = family.strong
-    docs = heldout_ids(family.tokenizer, family_dir)
-    loss_t, loss_d, agreement = loss_and_agreement(family.target, drafter, docs)
-    t_ms, d_ms = one_token_ms(family.target), one_token_ms(drafter)
+    report: dict = {"family": str(family_dir)}
+    for source, docs in heldout_ids(family.tokenizer, split, args.work).items():
+        loss_t, loss_d, agreement = loss_and_agreement(family.target, drafter, docs)
+        suffix = "" if source == "stdlib" else f"_{source}"  # the stdlib keeps the old keys
+        report |= {f"heldout_loss_target{suffix}": loss_t,
+                   f"heldout_loss_drafter{suffix}": loss_d,
+                   f"greedy_agreement_drafter_vs_target{suffix}": agreement}
+    if not args.no_latency:
+        t_ms, d_ms = one_token_ms(family.target), one_token_ms(drafter)
+        report |= {"one_token_ms_target": t_ms, "one_token_ms_drafter": d_ms,
+                   "latency_ratio_target_over_drafter": t_ms / d_ms}
+    prompts = read_prompts(SUITE)
     loops: dict[str, list[float]] = {}
-    for p in read_prompts(SUITE):
+    for p in prompts:
         out = generate(family, p["prompt"], "ar", max_tokens=args.max_tokens)
         loops.setdefault(p["category"], []).append(loop_share(out.token_ids))
-    report = {
-        "heldout_loss_target": loss_t, "heldout_loss_drafter": loss_d,
-        "greedy_agreement_drafter_vs_target": agreement,
-        "one_token_ms_target": t_ms, "one_token_ms_drafter": d_ms,
-        "latency_ratio_target_over_drafter": t_ms / d_ms,
+    report |= {
         "greedy_loop_share": {c: float(np.mean(v)) for c, v in loops.items()},
         "greedy_loop_share_all": float(np.mean([x for v in loops.values() for x in v])),
         "loop_share_max_tokens": args.max_tokens,
+        "tokens_per_target_forward": tokens_per_forward(family_dir, prompts, args.forward_tokens),
+        "forward_max_tokens": args.forward_tokens,
         "blas": blas_library() or "MLX bundled", "mlx": mx.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }

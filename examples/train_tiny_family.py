@@ -9,7 +9,8 @@ last checkpoint in --work):
 
   corpus     collect stdlib sources (no test suites, no site-packages) and the sources of the
              PACKAGES below (fetched by name as source distributions, refused if installed
-             here), split by module into train / held-out, write the split to <out>/split.json
+             here), split by module into train / held-out (the split goes to <out>/split.json
+             on export)
   tokenizer  byte-level BPE, vocabulary 8192, <|bos|> <|eos|> <|pad|> (with --resume-from:
              the family's own tokenizer, which its weights need)
   target     train the target (next-token loss) for --target-minutes of wall time or
@@ -132,7 +133,7 @@ def is_heldout(module: str) -> bool:
     return bucket < HELDOUT_PERCENT
 
 
-def stage_corpus(work: Path, out: Path, packages: list[str]) -> None:
+def stage_corpus(work: Path, packages: list[str]) -> None:
     if (work / "train.txt").exists():
         return
     train, held, split = [], [], {"train": [], "heldout": []}
@@ -147,8 +148,7 @@ def stage_corpus(work: Path, out: Path, packages: list[str]) -> None:
     split["python"] = sysconfig.get_python_version()
     split["packages"] = {p: PACKAGES.get(p, "unknown") for p in packages}
     split["rule"] = f"sha256(module name) % 100 < {HELDOUT_PERCENT} -> heldout"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "split.json").write_text(json.dumps(split, indent=1))
+    (work / "split.json").write_text(json.dumps(split, indent=1))
     (work / "heldout.json").write_text(json.dumps(held))
     (work / "train.json").write_text(json.dumps(train))
     (work / "train.txt").write_text("ok")
@@ -272,13 +272,19 @@ def build_model(cfg: Config):
             self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False)
             self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
-        def forward(self, x, cos, sin):
+        def forward(self, x, cos, sin, cache=None):
             b, t, _ = x.shape
             q = self.q_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
             k = self.k_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
             v = self.v_proj(x).view(b, t, -1, head_dim).transpose(1, 2)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if cache is not None:  # generation: a prefill, then one token per call
+                if cache:
+                    k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+                cache["k"], cache["v"] = k, v
+            # A block of several tokens is only ever a prefill (no cached keys before it), so
+            # is_causal's top-left alignment is right; a single decoded token sees everything.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
             return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
     class MLP(nn.Module):
@@ -299,8 +305,8 @@ def build_model(cfg: Config):
             self.input_layernorm = RMSNorm(cfg.hidden_size)
             self.post_attention_layernorm = RMSNorm(cfg.hidden_size)
 
-        def forward(self, x, cos, sin):
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        def forward(self, x, cos, sin, cache=None):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
             return x + self.mlp(self.post_attention_layernorm(x))
 
     class Inner(nn.Module):
@@ -326,14 +332,17 @@ def build_model(cfg: Config):
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
 
-        def forward(self, ids):
-            t = ids.shape[1]
-            freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        def forward(self, ids, caches=None):
+            """Logits of `ids`; with `caches` (one dict per layer, filled in place) the ids
+            continue the positions already cached."""
+            start = caches[0]["k"].shape[2] if caches and caches[0] else 0
+            positions = torch.arange(start, start + ids.shape[1], dtype=torch.float32)
+            freqs = torch.outer(positions.to(self.inv_freq.device), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()
             x = self.model.embed_tokens(ids)
-            for layer in self.model.layers:
-                x = layer(x, cos, sin)
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, caches[i] if caches else None)
             x = self.model.norm(x)
             return x @ self.model.embed_tokens.weight.T  # tied LM head
 
@@ -540,7 +549,7 @@ def stage_outputs(work: Path, target, count: int, device: str, prefix: int = 192
                   new: int = 128, batch: int = 32) -> np.ndarray:
     """The target's own continuations of `count` random training windows: half greedy, half
     sampled at temperature 0.7 / top-p 0.95 (the bench's sampled setting). (count, prefix +
-    new) uint16, cached. No KV cache: cheap on a GPU, slow on a CPU."""
+    new) uint16, cached. Decoded with a KV cache: minutes on a CPU."""
     import torch
 
     cache = work / "outputs.npy"
@@ -558,8 +567,9 @@ def stage_outputs(work: Path, target, count: int, device: str, prefix: int = 192
             x = torch.from_numpy(np.stack([data[s: s + prefix] for s in starts]).astype(np.int64))
             x = x.to(device)
             sampled = first >= count // 2
+            caches = [{} for _ in target.model.layers]
+            logits = target(x, caches)[:, -1].float()
             for _ in range(new):
-                logits = target(x)[:, -1].float()
                 if sampled:
                     probs = torch.softmax(logits / 0.7, -1)
                     ranked, order = probs.sort(-1, descending=True)
@@ -568,6 +578,7 @@ def stage_outputs(work: Path, target, count: int, device: str, prefix: int = 192
                 else:
                     pick = logits.argmax(-1, keepdim=True)
                 x = torch.cat([x, pick], 1)
+                logits = target(pick, caches)[:, -1].float()
             rows.append(x.cpu().numpy().astype(np.uint16))
             print(f"outputs: {first + n}/{count}", flush=True)
     out = np.concatenate(rows)
@@ -662,7 +673,7 @@ def main() -> None:
                            tokens=int(args.drafter_tokens or 0) or None, device=args.device,
                            init_from=resume / "drafters/tg-tiny-draft" if resume else None)
     if "corpus" in stages:
-        stage_corpus(args.work, args.out, [p for p in args.packages.split(",") if p])
+        stage_corpus(args.work, [p for p in args.packages.split(",") if p])
     if "tokenizer" in stages:
         stage_tokenizer(args.work, resume)
     if "target" in stages:
@@ -684,12 +695,21 @@ def main() -> None:
         report = {
             "target": export(args.work, args.out, "target", TARGET, Path("target")),
             "drafter": export(args.work, args.out, "drafter", DRAFTER, Path("drafters/tg-tiny-draft")),
-            "corpus": corpus_report(args.work, json.loads((args.out / "split.json").read_text())),
+            "corpus": corpus_report(args.work, json.loads((args.work / "split.json").read_text())),
             "resumed_from": str(resume) if resume else None,
+            # the runs the resumed weights came from: a family's lineage, tokens added up
+            "earlier": (json.loads((resume / "training_report.json").read_text())
+                        if resume and (resume / "training_report.json").exists() else None),
         }
         (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
+        shutil.copy(args.work / "split.json", args.out / "split.json")
         tok_hash = hashlib.sha256((args.work / "tokenizer.json").read_bytes()).hexdigest()
-        (args.out / "treegraft.json").write_text(json.dumps({
+        # A family's calibrated settings (tree, schedulers, acceptance) stay: recalibrate them
+        # for the new weights with the commands in the model card.
+        bundle = args.out / "treegraft.json"
+        kept = json.loads(bundle.read_text()) if bundle.exists() else {}
+        bundle.write_text(json.dumps({
+            **kept,
             "format_version": 1,
             "name": "tg-tiny",
             "target": "target",

@@ -1,12 +1,15 @@
 """Run by tests/test_pipeline.py under `mlx.launch` (one process per rank): the bundled family
 with its target split over the ranks. Modes: `generate` (rank 0 prints the token ids of every
-case as one JSON line), `die` (rank 2 ends itself mid-generation), `disagree` (the ranks
-compare different values)."""
+case as one JSON line), `die` (rank 2 ends itself mid-generation), `hang` (rank 1 stops
+answering mid-generation, its connections open), `disagree` (the ranks compare different
+values)."""
 
+import itertools
 import json
 import os
 import sys
 import threading
+import time
 
 import treegraft_mlx  # noqa: F401  first: it loads the system BLAS before mlx
 import mlx.core as mx
@@ -24,6 +27,18 @@ def cases(family) -> dict:
             for i, p in enumerate(PROMPTS) for s, t in CASES}
 
 
+def hang_after(sends: int) -> None:
+    """This rank sends `sends` messages, then waits forever without a word."""
+    real, count = Link.send, itertools.count()
+
+    def send(self, *args, **kwargs):
+        if next(count) >= sends:
+            time.sleep(3600)
+        real(self, *args, **kwargs)
+
+    Link.send = send
+
+
 def main(mode: str) -> None:
     rank = mx.distributed.init(strict=True).rank()
     try:
@@ -32,10 +47,12 @@ def main(mode: str) -> None:
             return
         if mode == "die" and rank == 2:  # vanishes without a word (exit code 0, so that
             threading.Timer(6.0, os._exit, [0]).start()  # mlx.launch does not end the others)
+        if mode == "hang" and rank == 1:
+            hang_after(sends=5)
         family = load(fixture_path(), pipeline=True, warmup=False, autotune=False)
         if family is None:
             return
-        if mode == "die":
+        if mode in ("die", "hang"):
             generate(family, PROMPTS[0], "ar", max_tokens=100_000)
         print(json.dumps(cases(family)), flush=True)
     except PipelineError as e:

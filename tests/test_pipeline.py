@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -17,13 +18,13 @@ RUNNER = Path(__file__).parent / "pipeline_runner.py"
 needs_launch = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="no mlx.launch")
 
 
-def launch(ranks: int, mode: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(ranks: int, mode: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """The ranks share this machine's cores, and MLX's ring backend polls while it waits:
     one BLAS thread per rank keeps them from starving each other."""
     return subprocess.run(["mlx.launch", "-n", str(ranks), "--backend", "ring", "--",
                            sys.executable, str(RUNNER), mode],
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+                          env={**os.environ, "OPENBLAS_NUM_THREADS": "1", **env})
 
 
 def json_line(text: str) -> dict:
@@ -55,6 +56,44 @@ def test_a_lost_rank_ends_the_others_with_a_message():
     r = launch(3, "die", timeout=300)
     assert time.monotonic() - t0 < 120
     assert "PipelineError: rank 0:" in r.stdout and "failed" in r.stdout, r.stdout[-2000:]
+
+
+@needs_launch
+def test_a_hung_rank_ends_the_others_within_the_timeout():
+    """Rank 1 keeps its connections but stops answering: rank 0's deadline ends it, and
+    mlx.launch then ends the rest."""
+    t0 = time.monotonic()
+    r = launch(2, "hang", timeout=300, TREEGRAFT_PIPELINE_TIMEOUT="8")
+    assert time.monotonic() - t0 < 120
+    out = r.stdout + r.stderr
+    assert "rank 0: waiting for logits from rank 1 timed out" in out, out[-2000:]
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_an_unreachable_rank_is_named_not_waited_for(tmp_path):
+    """Rank 0 of two started alone (its peer's host never runs the command): MLX's ring
+    backend would wait for the peer forever; the connect's deadline ends it with a message."""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", "from treegraft_mlx.cli import main; main()",
+                        "generate", "--pipeline",
+                        "--prompt", "def f():", "--max-tokens", "4"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hosts),
+                            "TREEGRAFT_PIPELINE_TIMEOUT": "5"})
+    assert time.monotonic() - t0 < 60
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "rank 0: connecting to the other ranks" in r.stderr and "timed out" in r.stderr
 
 
 @needs_launch

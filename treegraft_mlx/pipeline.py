@@ -21,13 +21,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -53,17 +55,12 @@ def timeout_s(idle: bool = False) -> float:
     return float(os.environ.get(name, default))
 
 
-class Link:
-    """Point-to-point messages between ranks, each under a deadline.
+class Watchdog:
+    """Ends the process with a message when a bounded wait overruns: a blocked `mx.eval` (which
+    releases the GIL) cannot be interrupted from Python, so a thread watches the deadline."""
 
-    MLX's ring backend raises when a peer's connection drops; a peer that hangs is caught by a
-    watchdog thread, which ends the process with a message (a blocked `mx.eval` cannot be
-    interrupted from Python)."""
-
-    def __init__(self, group):
-        self.group, self.rank, self.size = group, group.rank(), group.size()
-        self.comm_s = 0.0  # time spent in exchanges on this rank
-        self.broken = False  # a peer was lost: nothing more is sent
+    def __init__(self, rank: int):
+        self.rank = rank
         self._deadline: Optional[tuple[float, str]] = None
         threading.Thread(target=self._watch, daemon=True).start()
 
@@ -76,16 +73,59 @@ class Link:
                       "ending this rank", file=sys.stderr, flush=True)
                 os._exit(3)
 
+    @contextmanager
+    def bound(self, seconds: float, what: str) -> Iterator[None]:
+        self._deadline = (time.monotonic() + seconds, what)
+        try:
+            yield
+        finally:
+            self._deadline = None
+
+
+WATCHER = """
+import os, select, signal, sys
+pid, seconds, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGTERM)
+"""
+
+
+@contextmanager
+def watched_from_outside(seconds: float, what: str) -> Iterator[None]:
+    """A deadline for a call that holds the GIL while it waits (the ring backend's connect
+    waits for an absent peer forever), so no thread of this process can act: a small watcher
+    process ends this one with a message unless the call returns in time."""
+    rank = os.environ.get("MLX_RANK", "0")
+    message = f"treegraft pipeline, rank {rank}: {what} timed out; ending this rank\n"
+    watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), str(seconds),
+                                message], stdin=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        watcher.stdin.close()
+        watcher.wait()
+
+
+class Link:
+    """Point-to-point messages between ranks, each under a deadline (Watchdog). MLX's ring
+    backend raises when a peer's connection drops; a peer that hangs is caught by the watchdog."""
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.comm_s = 0.0  # time spent in exchanges on this rank
+        self.broken = False  # a peer was lost: nothing more is sent
+        self.watchdog = Watchdog(self.rank)
+
     def _run(self, x: mx.array, what: str, idle: bool = False) -> mx.array:
         t0 = time.perf_counter()
-        self._deadline = (time.monotonic() + timeout_s(idle), what)
         try:
-            mx.eval(x)
+            with self.watchdog.bound(timeout_s(idle), what):
+                mx.eval(x)
         except RuntimeError as e:
             self.broken = True
             raise PipelineError(f"rank {self.rank}: {what} failed: {e}") from None
-        finally:
-            self._deadline = None
         if not idle:
             self.comm_s += time.perf_counter() - t0
         return x
@@ -174,7 +214,9 @@ def connect(target_dir: Path) -> tuple[Link, list[Stage]]:
     from .loading import read_config, read_weights, weight_files
     from .models import model_args
 
-    group = mx.distributed.init(strict=True)
+    with watched_from_outside(timeout_s(), "connecting to the other ranks (is every host in "
+                              "--hosts / --hostfile reachable and running the same command?)"):
+        group = mx.distributed.init(strict=True)
     if group.size() < 2:
         raise PipelineError("--pipeline needs two or more processes: run it under mlx.launch "
                             "(--hosts or --hostfile)")
