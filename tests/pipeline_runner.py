@@ -1,8 +1,8 @@
 """Run by tests/test_pipeline.py under `mlx.launch` (one process per rank): the bundled family
 with its target split over the ranks. Modes: `generate` (rank 0 prints the token ids of every
 case as one JSON line), `die` (rank 2 ends itself mid-generation), `hang` (rank 1 stops
-answering mid-generation, its connections open), `disagree` (the ranks compare different
-values)."""
+answering mid-generation, its connections open), `nofit` (every host reports 1 MiB free),
+`disagree` (the ranks compare different values)."""
 
 import itertools
 import json
@@ -11,7 +11,8 @@ import sys
 import threading
 import time
 
-import treegraft_mlx  # noqa: F401  first: it loads the system BLAS before mlx
+import treegraft_mlx  # first: it loads the system BLAS before mlx
+import treegraft_mlx.device
 import mlx.core as mx
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.pipeline import Link, PipelineError
@@ -49,6 +50,8 @@ def main(mode: str) -> None:
             threading.Timer(6.0, os._exit, [0]).start()  # mlx.launch does not end the others)
         if mode == "hang" and rank == 1:
             hang_after(sends=5)
+        if mode == "nofit":
+            treegraft_mlx.device.available_memory = lambda: 2**20
         family = load(fixture_path(), pipeline=True, warmup=False, autotune=False)
         if family is None:
             return

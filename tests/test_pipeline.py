@@ -69,6 +69,14 @@ def test_a_hung_rank_ends_the_others_within_the_timeout():
     assert "rank 0: waiting for logits from rank 1 timed out" in out, out[-2000:]
 
 
+@needs_launch
+def test_a_stage_that_does_not_fit_names_its_layers():
+    r = launch(2, "nofit", timeout=120)
+    assert r.stdout.count("does not fit") == 2, r.stdout[-2000:]
+    assert "rank 0 (layers 0-" in r.stdout and "rank 1 (layers " in r.stdout
+    assert "of 8, split over 2 ranks)" in r.stdout and "add ranks" in r.stdout
+
+
 def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
