@@ -676,6 +676,9 @@ def main() -> None:
         stage_corpus(args.work, [p for p in args.packages.split(",") if p])
     if "tokenizer" in stages:
         stage_tokenizer(args.work, resume)
+    earlier = resume / "training_report.json" if resume else None
+    if earlier and earlier.exists() and not (args.work / "earlier_report.json").exists():
+        shutil.copy(earlier, args.work / "earlier_report.json")  # before export replaces it
     if "target" in stages:
         train(args.work, TARGET, target_spec)
     outputs = None
@@ -698,8 +701,8 @@ def main() -> None:
             "corpus": corpus_report(args.work, json.loads((args.work / "split.json").read_text())),
             "resumed_from": str(resume) if resume else None,
             # the runs the resumed weights came from: a family's lineage, tokens added up
-            "earlier": (json.loads((resume / "training_report.json").read_text())
-                        if resume and (resume / "training_report.json").exists() else None),
+            "earlier": (json.loads((args.work / "earlier_report.json").read_text())
+                        if (args.work / "earlier_report.json").exists() else None),
         }
         (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
         shutil.copy(args.work / "split.json", args.out / "split.json")

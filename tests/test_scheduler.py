@@ -1,6 +1,7 @@
 """Scheduler: features, the compiled MLP, decisions within b0, the value system and training."""
 
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -240,6 +241,24 @@ def test_costs_are_measured_once_per_key_and_a_damaged_cache_is_remeasured(famil
     cache.write_text("{not json")
     assert T.cached(T.Timing, key, fake_measure, cache) == T.Timing(33.0, 4.0)
     assert len(measured) == 2
+
+
+def test_costs_are_keyed_by_the_model_on_disk_not_its_path(tmp_path):
+    """Weights rewritten in place (a retrained family) are measured afresh; the same files
+    reached by another path are not."""
+    model = tmp_path / "target"
+    model.mkdir()
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"old weights")
+    first = T.model_key(model)
+    assert T.model_key(tmp_path / "." / "target") == first
+    os.utime(weights, ns=(1, 10**18))
+    assert T.model_key(model) != first
+    changed = T.model_key(model)
+    (model / "config.json").write_text('{"hidden_size": 16}')
+    assert T.model_key(model) != changed
+    assert T.model_key(None) == "None"
 
 
 def test_step_costs_pad_and_price_each_size():

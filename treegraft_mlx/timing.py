@@ -8,6 +8,7 @@ measuring functions, so this module only stores, keys and reuses what they retur
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -85,17 +86,31 @@ def device_key() -> str:
                      platform.processor() or platform.machine()])
 
 
+def model_key(path: Optional[Path]) -> str:
+    """A model as it is on disk now: its resolved path and a hash of its config and weight
+    files' names, sizes and modification times, so weights rewritten in place (a retrained
+    family) are measured afresh."""
+    if path is None:
+        return "None"
+    path = Path(path).resolve()
+    files = sorted(path.glob("*.safetensors"))
+    listing = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    config = path / "config.json"
+    text = (config.read_text() if config.exists() else "") + json.dumps(listing)
+    return f"{path}@{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def timing_key(family, tree) -> str:
-    """Model pair (paths), tree shape and device: what T_tgt and T_mid depend on."""
+    """Model pair, tree shape and device: what T_tgt and T_mid depend on."""
     paths = family.model_paths
     strong = list(family.drafters)[-1]
-    return "|".join(["timing", str(paths.get("target")), str(paths.get(strong)), device_key(),
-                     f"k{tree.top_k}d{tree.depth}b{tree.budget}"])
+    return "|".join(["timing", model_key(paths.get("target")), model_key(paths.get(strong)),
+                     device_key(), f"k{tree.top_k}d{tree.depth}b{tree.budget}"])
 
 
 def step_costs_key(family, tree) -> str:
     """Target and device (the forward's costs) and the n-gram tree shape (the drafting's)."""
-    return "|".join(["steps", str(family.model_paths.get("target")), device_key(),
+    return "|".join(["steps", model_key(family.model_paths.get("target")), device_key(),
                      f"k{tree.top_k}d{tree.depth}n{tree.n_max}"])
 
 
