@@ -55,6 +55,10 @@ def timeout_s(idle: bool = False) -> float:
     return float(os.environ.get(name, default))
 
 
+def timed_out(rank, what: str) -> str:
+    return f"treegraft pipeline, rank {rank}: {what} timed out; ending this rank"
+
+
 class Watchdog:
     """Ends the process with a message when a bounded wait overruns: a blocked `mx.eval` (which
     releases the GIL) cannot be interrupted from Python, so a thread watches the deadline."""
@@ -69,8 +73,7 @@ class Watchdog:
             time.sleep(0.2)
             pending = self._deadline
             if pending is not None and time.monotonic() > pending[0]:
-                print(f"treegraft pipeline, rank {self.rank}: {pending[1]} timed out; "
-                      "ending this rank", file=sys.stderr, flush=True)
+                print(timed_out(self.rank, pending[1]), file=sys.stderr, flush=True)
                 os._exit(3)
 
     @contextmanager
@@ -97,8 +100,7 @@ def watched_from_outside(seconds: float, what: str) -> Iterator[None]:
     """A deadline for a call that holds the GIL while it waits (the ring backend's connect
     waits for an absent peer forever), so no thread of this process can act: a small watcher
     process ends this one with a message unless the call returns in time."""
-    rank = os.environ.get("MLX_RANK", "0")
-    message = f"treegraft pipeline, rank {rank}: {what} timed out; ending this rank\n"
+    message = timed_out(os.environ.get("MLX_RANK", "0"), what) + "\n"
     watcher = subprocess.Popen([sys.executable, "-c", WATCHER, str(os.getpid()), str(seconds),
                                 message], stdin=subprocess.PIPE)
     try:
