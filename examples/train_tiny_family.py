@@ -598,7 +598,9 @@ def export(work: Path, out: Path, name: str, cfg: Config, role_dir: Path) -> dic
     dest.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16).contiguous()
                for k, v in model.state_dict().items()}
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tmp = dest / "model.safetensors.tmp"  # an interrupted export leaves the old weights whole
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, dest / "model.safetensors")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(work / "tokenizer.json"))
