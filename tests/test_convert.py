@@ -47,7 +47,9 @@ def test_random_checkpoints_convert_and_keep_logits(checkpoints, tmp_path, name)
 
 
 # Tolerances (max |logit difference| / max |logit|) per bit width, on the fixture family.
-FIXTURE_TOL = {"q4": 0.25, "q8": 0.02, "bf16": 0.02}
+# Measured on the refreshed family: q8 (groups of 64) 0.021 on the target, 0.005 on the
+# drafter; longer training grew outlier weights, which widen 8-bit steps in their groups.
+FIXTURE_TOL = {"q4": 0.25, "q8": 0.03, "bf16": 0.02}
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
