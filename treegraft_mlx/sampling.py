@@ -36,31 +36,16 @@ class SamplerSettings:
         return self.temp == 0
 
 
-def target_probs(logits: mx.array, s: SamplerSettings) -> mx.array:
-    """Probabilities (float32, rows sum to 1) of the processed distribution, per row."""
-    x = logits.astype(mx.float32)
-    if s.greedy:
-        return (mx.arange(x.shape[-1]) == mx.argmax(x, -1, keepdims=True)).astype(mx.float32)
-    p = mx.softmax(x / s.temp, axis=-1)
-    if s.top_k and s.top_k < p.shape[-1]:
-        kth = mx.sort(p, axis=-1)[..., -s.top_k:][..., :1]
-        p = mx.where(p >= kth, p, 0.0)
-    if s.top_p < 1.0:
-        sorted_p = mx.sort(p, axis=-1)[..., ::-1]
-        before = mx.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each rank
-        keep_sorted = before < s.top_p * sorted_p.sum(-1, keepdims=True)
-        # the smallest kept probability: everything at least as likely stays
-        threshold = mx.min(mx.where(keep_sorted, sorted_p, mx.inf), axis=-1, keepdims=True)
-        p = mx.where(p >= threshold, p, 0.0)
-    if s.min_p > 0:
-        p = mx.where(p >= s.min_p * p.max(-1, keepdims=True), p, 0.0)
-    return p / p.sum(-1, keepdims=True)
-
-
 def processed_logits(logits: mx.array, s: SamplerSettings) -> mx.array:
-    """Log-weights of the processed distribution (up to a constant; -inf where filtered), for
-    a device-side draw. Same filters as `target_probs`, found on the sorted row: one sort and
-    one exp pass per row, the least a top-p filter can cost."""
+    """THE definition of the processed distribution, as log-weights (up to a constant; -inf
+    where filtered). With q = softmax(logits / temp):
+      top-k  keeps the tokens at least as likely as the k-th most likely (ties kept);
+      top-p  keeps, of those, the most likely ones until the mass strictly before a token
+             reaches top_p of their mass, and every token as likely as the last one kept;
+      min-p  keeps, of those, the tokens with q >= min_p * max(q).
+    Found on the sorted row: one sort and one exp pass, the least a top-p filter costs.
+    `target_probs`, `host_probs` and every acceptance path follow this (tests check each
+    against a reference written from the three lines above)."""
     x = logits.astype(mx.float32) / s.temp
     if not (s.top_k or s.top_p < 1.0 or s.min_p > 0):
         return x
@@ -69,7 +54,7 @@ def processed_logits(logits: mx.array, s: SamplerSettings) -> mx.array:
     p = mx.softmax(desc, axis=-1)
     keep = mx.ones(p.shape, dtype=mx.bool_)
     if s.top_k and s.top_k < v:
-        keep = mx.arange(v) < s.top_k
+        keep = desc >= desc[..., s.top_k - 1:s.top_k]
         p = mx.where(keep, p, 0.0)
     if s.top_p < 1.0:
         before = mx.cumsum(p, axis=-1) - p       # mass strictly above each rank
@@ -79,6 +64,15 @@ def processed_logits(logits: mx.array, s: SamplerSettings) -> mx.array:
     # The smallest kept logit: everything at least as likely stays (ties included).
     threshold = mx.min(mx.where(keep, desc, mx.inf), axis=-1, keepdims=True)
     return mx.where(x >= threshold, x, -mx.inf)
+
+
+def target_probs(logits: mx.array, s: SamplerSettings) -> mx.array:
+    """Probabilities (float32, rows sum to 1) of the processed distribution, per row: one-hot
+    on the argmax when greedy, else the softmax of `processed_logits`."""
+    x = logits.astype(mx.float32)
+    if s.greedy:
+        return (mx.arange(x.shape[-1]) == mx.argmax(x, -1, keepdims=True)).astype(mx.float32)
+    return mx.softmax(processed_logits(x, s), axis=-1)
 
 
 @lru_cache(maxsize=16)
@@ -98,7 +92,7 @@ def sample_token(logits: mx.array, s: SamplerSettings, key: mx.array) -> mx.arra
 def host_probs(logits: np.ndarray, s: SamplerSettings) -> np.ndarray:
     """`target_probs` of one row in numpy (float64), for acceptance on the host: it visits one
     row per accepted node, and a row that has left the device costs a few vectorised passes
-    instead of one device evaluation per node."""
+    instead of one device evaluation per node. Same rules as `processed_logits`."""
     x = np.asarray(logits, dtype=np.float64)
     if s.greedy:
         p = np.zeros_like(x)
