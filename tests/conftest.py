@@ -8,6 +8,7 @@ import treegraft_mlx  # noqa: F401  first: it loads the system OpenBLAS before m
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import make_checkpoint  # noqa: E402
+from scripted import scripted_step_costs  # noqa: E402
 
 ARCHS = {
     "llama": {},
@@ -38,3 +39,17 @@ def _private_timing_cache(tmp_path_factory):
     import os
 
     os.environ["TREEGRAFT_CACHE"] = str(tmp_path_factory.mktemp("timing-cache"))
+
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _scripted_costs():
+    """Every family loaded in-process gets the scripted step costs and T_tgt / T_mid (the
+    CLI tests' subprocesses still run the real probe, and test_scheduler checks it is called)."""
+    from treegraft_mlx import engine
+    from treegraft_mlx.timing import Timing
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "measure_step_costs", scripted_step_costs)
+        mp.setattr(engine, "measure_timing", lambda family, tree: Timing(36.4, 7.9))
+        yield

@@ -13,7 +13,7 @@ streaming and statistics are shared (generate.stream). Strategies by name:
                           calibrated one when sampling, if the bundle has one)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
 
-Tree strategies size every step (Sizer, design 9): the step verifies the subtree its drafts
+Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree its drafts
 are worth on this device, the root alone being a pipelined AR step. With
 `TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
 What the sizing and the pricer learn while running (the worth of drafting, of a call) follows
@@ -122,6 +122,7 @@ class Decoder:
                  rng: np.random.Generator, schedule: Optional[Schedule] = None):
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.target = session.family.target
+        self.clock = session.family.clock
         self.drafters: list = [session.ngram]
         if strategy.needs_strong:
             if session.strong is None:
@@ -194,12 +195,12 @@ class Decoder:
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
         """Every step verifies the built tree pruned to the fixed budget (the paper's way)."""
         while True:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             build = self._build(root, self.session.history)
             tree = build.tree.subtree(prune(build.tree, self.session.tree.budget))
             rows = self.session.tree.rows_for(len(tree))
             block, acc = self._verify(tree, rows, StepStats(
-                0, len(tree), len(build.tree), build.used, time.perf_counter() - t0, 0.0, 0.0,
+                0, len(tree), len(build.tree), build.used, self.clock() - t0, 0.0, 0.0,
                 build.t_schedule, rows, 0.0))
             yield block
             root = acc.bonus
@@ -214,7 +215,7 @@ class Decoder:
         queued: Optional[Queued] = None        # the forward of `root`, in flight
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             fresh = carried is None and self.sizer.worth_drafting()
             if carried is not None:
                 full, used, t_schedule = carried, [], 0.0
@@ -230,7 +231,7 @@ class Decoder:
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
                 plan = self.sizer.plan(full, history.committed)
             carried = None
-            t1 = time.perf_counter()
+            t1 = self.clock()
             self.sizer.settle(plan, 1000 * (t1 - t0) if fresh else None)
             if queued is None and len(plan.keep) > 1:
                 tree = full.subtree(plan.keep)
@@ -245,13 +246,13 @@ class Decoder:
                 queued = forward(mx.array(root))
             after = forward(queued.token) if len(plan.keep) == 1 else None
             nxt = queued.read()
-            t2 = time.perf_counter()
+            t2 = self.clock()
             history.record(history.committed, *host_top_logprobs(queued.row()[None]))
             history.extend([nxt])
             for d in self.drafters:
                 d.observe(history, 1)
             self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
-                                        time.perf_counter() - t2, t_schedule, 1, plan.expected))
+                                        self.clock() - t2, t_schedule, 1, plan.expected))
             yield [root]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
@@ -265,34 +266,34 @@ class Decoder:
         cheap = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
         cheap.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters[:1], cfg, history)
         plan = sizer.plan(cheap.tree, history.committed)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         bucket = pricer.bucket(plan.expected)
         call = pricer.should_call(bucket, sizer.rate)
-        cheap.t_schedule = time.perf_counter() - t0       # the pricer's own work
+        cheap.t_schedule = self.clock() - t0       # the pricer's own work
         if not call:
             return cheap, plan
-        t1 = time.perf_counter()
+        t1 = self.clock()
         called = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
         called.expand(range(1, cfg.depth + 1), FixedSchedule(pricer.layers), self.drafters, cfg,
                       history)
-        call_ms = 1000 * (time.perf_counter() - t1)
-        t1 = time.perf_counter()
+        call_ms = 1000 * (self.clock() - t1)
+        t1 = self.clock()
         plan_called = sizer.plan(called.tree, history.committed)
         gain = sizer.value(plan_called) - sizer.value(plan)
         pricer.observe(bucket, gain, call_ms)
-        called.t_schedule = cheap.t_schedule + time.perf_counter() - t1
+        called.t_schedule = cheap.t_schedule + self.clock() - t1
         return (called, plan_called) if gain > 0 else (cheap, plan)
 
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
         """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`."""
-        t1 = time.perf_counter()
+        t1 = self.clock()
         logits = verify(self.target, self.session.cache, tree, rows)
         mx.eval(logits)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         acc = accept(tree, logits, self.settings, self.rng)
         block = commit(self.session, self.drafters, tree, logits, acc)
         stats.accepted = len(acc.path) - 1
-        stats.t_verify, stats.t_accept = t2 - t1, time.perf_counter() - t2
+        stats.t_verify, stats.t_accept = t2 - t1, self.clock() - t2
         self.stats.append(stats)
         return block, acc
 
@@ -334,7 +335,7 @@ class ArForward:
 
 
 class Sizer:
-    """Chooses what each step verifies (design 9): acceptance estimates for the built tree,
+    """Chooses what each step verifies (docs/design.md §7): acceptance estimates for the built tree,
     path probabilities, and the subtree that maximises expected tokens minus the step's
     measured cost priced at the long-run rate (an EMA of the planned tokens per ms)."""
 
@@ -382,7 +383,7 @@ class Sizer:
 
 
 class CallPricer:
-    """Prices a strong-drafter call in the size choice's currency (design 9): what the call
+    """Prices a strong-drafter call in the size choice's currency (docs/design.md §9): what the call
     adds to the best plan's value (expected tokens less time at the long-run rate) is learned
     from the calls made, per bucket of the n-gram tree's expected tokens (the drafter helps
     most where the n-gram drafter found little); the call is made iff that gain exceeds its

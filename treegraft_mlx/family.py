@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from .acceptance import AcceptanceModel
 from .fixtures import family_manifest
@@ -30,8 +31,8 @@ class TreeConfig:
     # 16-row forward is faster than a 12-row one, so small trees are padded up (empty = never).
     verify_pad: tuple[int, ...] = ()
     # Each step verifies the subtree worth its cost (acceptance estimates and this device's
-    # measured step costs, design 9) instead of pruning to `budget`; then the pad comes from
-    # the measured costs too.
+    # measured step costs, docs/design.md §7) instead of pruning to `budget`; then the pad
+    # comes from the measured costs too.
     adaptive: bool = True
 
     def __post_init__(self):
@@ -61,6 +62,9 @@ class Family:
     # What the runtime learns about this family on this device while it runs (the strong
     # drafter's priced gain, engine.CallPricer), per regime and tree shape.
     runtime_state: dict = field(default_factory=dict, repr=False)
+    # Where decoding reads the time its decisions learn from (drafting and call costs): the
+    # wall clock; tests script it so that what the sizer decides never depends on load.
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
 
     def scheduler(self, sampled: bool = False) -> Optional[tuple]:
         """(SchedulerMLP, metadata) of the bundle's scheduler for greedy or sampled decoding

@@ -1,6 +1,6 @@
 """Decides, before each tree layer, whether the strong drafter expands it.
 
-Fixed schedules cover the endpoints and ablations; the learned scheduler (design section 6)
+Fixed schedules cover the endpoints and ablations; the learned scheduler (docs/design.md §6)
 computes 17 features of the tree being built and calls the strong drafter iff a tiny MLP
 predicts a positive value and fewer than `b0` calls were made this step.
 

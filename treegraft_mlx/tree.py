@@ -174,7 +174,7 @@ class DraftTree:
 
 def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,
              d_max: int) -> list[int]:
-    """Graft parents a combine layer picks (design 4.3): the top_k nodes by score (ties: lower
+    """Graft parents a combine layer picks (docs/design.md §4.3): the top_k nodes by score (ties: lower
     index) among all nodes within `lookback` of the deepest frontier depth `d_max` that may
     still get children. Plain Python: trees here are small and this runs before every layer."""
     depth = tree.depth
@@ -242,7 +242,7 @@ class Plan:
 
 def plan_verification(tree: DraftTree, accept: np.ndarray, step_ms: np.ndarray,
                       rate: float) -> Plan:
-    """The ancestor-closed set S that maximises E(S) - rate * step_ms[|S| - 1] (design 9).
+    """The ancestor-closed set S that maximises E(S) - rate * step_ms[|S| - 1] (docs/design.md §7.3).
 
     Adding nodes best-first by path probability (ties: shallower, then earlier) gives the best
     set of every size, and each prefix is ancestor-closed since a child is never more probable
