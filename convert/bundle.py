@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -82,8 +83,9 @@ def _inspect(role: str, path_or_repo: str) -> Source:
         files = weight_files(path)
     except (LoadError, ValueError) as e:
         raise ConvertError(f"{role}: {e}") from None
-    except TypeError as e:
-        raise ConvertError(f"{role}: config.json lacks a required field: {e}") from None
+    except TypeError as e:  # the architecture's arguments: "missing 1 required ... 'hidden_size'"
+        fields = ", ".join(re.findall(r"'(\w+)'", str(e))) or str(e)
+        raise ConvertError(f"{role}: {path / 'config.json'} lacks required field(s): {fields}") from None
     if "quantization" in config and "bits" not in config["quantization"]:
         raise ConvertError(f"{role}: unsupported quantization config {config['quantization']}")
     return Source(role, path, config, files, "quantization" in config)
@@ -102,6 +104,10 @@ def _check_weights_match_config(src: Source) -> None:
         seen.update(_header(f))
     if args.experts:
         seen = stack_experts(seen, args.experts, stack=lambda shapes: [len(shapes), *shapes[0]])
+        partial = _incomplete_experts(seen, args.experts)
+        if partial:
+            raise ConvertError(f"{src.role}: experts missing from {src.path}: "
+                               f"{'; '.join(partial[:4])}{'...' if len(partial) > 4 else ''}")
     missing = sorted(set(expected) - set(seen))
     if missing:
         raise ConvertError(f"{src.role}: weights {missing[:4]}{'...' if len(missing) > 4 else ''} "
@@ -110,6 +116,19 @@ def _check_weights_match_config(src: Source) -> None:
         if not src.prequantized and tuple(seen[name]) != tuple(param.shape):
             raise ConvertError(f"{src.role}: {name} has shape {tuple(seen[name])} but config.json "
                                f"implies {tuple(param.shape)}")
+
+
+def _incomplete_experts(names, experts: int) -> list[str]:
+    """Per-expert tensors left unstacked (a group short of `experts`), named as the checkpoint
+    names them: 'model.layers.1.mlp.experts.<e>.w3.weight lacks experts [2] of 4'."""
+    have: dict[str, set[int]] = {}
+    for name in names:
+        m = EXPERT_TENSOR.match(name)
+        if m:
+            prefix, e, proj, kind = m.groups()
+            have.setdefault(f"{prefix}.experts.<e>.{proj}.{kind}", set()).add(int(e))
+    return [f"{group} lacks experts {sorted(set(range(experts)) - got)} of {experts}"
+            for group, got in sorted(have.items())]
 
 
 def _header(file: Path) -> dict[str, list[int]]:

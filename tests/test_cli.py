@@ -3,13 +3,16 @@
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from checkpoints import make_checkpoint, write_tokenizer
 from treegraft_mlx import calibrate as C
-from treegraft_mlx import fixture_path, load
+from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.engine import stream_generate
 from treegraft_mlx.cli import main
+from treegraft_mlx.generate import chat_prompt, encode_prompt
+from treegraft_mlx.session import Session
 
 SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
 FIELDS = {"text", "token_ids", "prompt_tokens", "generation_tokens", "steps", "mean_accepted",
@@ -18,6 +21,25 @@ FIELDS = {"text", "token_ids", "prompt_tokens", "generation_tokens", "steps", "m
 
 def run(*args, input=None):
     return CliRunner().invoke(main, list(args), input=input)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return load(fixture_path())
+
+
+@pytest.fixture
+def prefills(monkeypatch) -> list[tuple[int, int]]:
+    """(cached tokens reused, prompt tokens) of every Session.prefill while the test runs."""
+    seen: list[tuple[int, int]] = []
+    real = Session.prefill
+
+    def spy(self, ids, settings, rng):
+        seen.append((self.reusable(ids), len(ids)))
+        return real(self, ids, settings, rng)
+
+    monkeypatch.setattr(Session, "prefill", spy)
+    return seen
 
 
 def test_generate_json_schema_for_each_strategy():
@@ -53,9 +75,20 @@ def test_no_autotune_measures_nothing_and_keeps_the_output(tmp_path, monkeypatch
     assert json.loads(tuned.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
 
 
-def test_generate_reads_stdin_and_streams_text():
-    r = run("generate", "--max-tokens", "8", "--strategy", "ngram", "--verbose", input="x = 1\n")
-    assert r.exit_code == 0 and "generation:" in r.output
+STDIN_PROMPT = "def area(r):\n"
+
+
+@pytest.mark.parametrize("prompt_args", [(), ("--prompt", "-")])
+def test_generate_reads_stdin_and_streams_text(family, prompt_args):
+    """Without --prompt (or with '-') the prompt is stdin: the streamed text is exactly the
+    generation from it (not from an empty or default prompt)."""
+    expected = generate(family, STDIN_PROMPT, "ar", max_tokens=8)
+    r = run("generate", *prompt_args, "--max-tokens", "8", "--strategy", "ngram", "--verbose",
+            input=STDIN_PROMPT)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == expected.text + "\n"
+    assert f"prompt: {len(encode_prompt(family.tokenizer, STDIN_PROMPT))} tokens" in r.stderr
+    assert "generation: 8 tokens" in r.stderr
 
 
 def test_generate_errors_name_the_problem(tmp_path):
@@ -73,13 +106,27 @@ def test_generate_errors_name_the_problem(tmp_path):
     assert r.exit_code == 1 and "tokenizer mismatch" in r.output
     r = run("generate", "--prompt", "x", "--temp", "-1")
     assert r.exit_code == 2
+    r = run("generate", "--prompt", "x", "--stop", "")  # would stop before any text
+    assert r.exit_code == 1 and "stop strings must be non-empty" in r.output
 
 
-def test_chat_session_commands():
+def test_chat_session_commands(family, prefills):
+    """A second turn reuses the cached conversation (only its new tokens are prefilled) and
+    still replies exactly what a fresh generation of the whole chat gives; /reset starts over."""
     r = run("chat", "--max-tokens", "8", "--strategy", "ngram",
-            input="def f():\n/stats\nand again\n/reset\n/quit\n")
+            input="def f():\n/stats\nand again\n/reset\nclass A:\n/quit\n")
     assert r.exit_code == 0, r.output
     assert "tokens cached" in r.output and "(conversation reset)" in r.output
+    (first, _), (reused, length), (after_reset, _) = prefills
+    turn1 = [{"role": "user", "content": "def f():"}]
+    reply1 = generate(family, chat_prompt(family.tokenizer, turn1), "ar", max_tokens=8).text
+    turn2 = turn1 + [{"role": "assistant", "content": reply1}, {"role": "user", "content": "and again"}]
+    reply2 = generate(family, chat_prompt(family.tokenizer, turn2), "ar", max_tokens=8).text
+    assert f">> {reply1}\n" in r.stdout and f">> {reply2}\n" in r.stdout
+    assert first == after_reset == 0
+    assert length == len(encode_prompt(family.tokenizer, chat_prompt(family.tokenizer, turn2)))
+    # at least the first prompt (its last token may merge with the reply, so it re-runs)
+    assert reused >= len(encode_prompt(family.tokenizer, chat_prompt(family.tokenizer, turn1))) - 1
 
 
 def test_bench_small_run(tmp_path):

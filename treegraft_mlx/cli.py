@@ -67,13 +67,15 @@ def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: b
 @family_options
 @click.option("--prompt", default=None, help="Prompt text; '-' or absent reads stdin.")
 @sampling_options
+@click.option("--stop", multiple=True,
+              help="Stop before this string (repeatable; the earliest in the text wins).")
 @click.option("--chat-template/--no-chat-template", default=True, show_default=True,
               help="Apply the tokenizer's chat template when it has one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--verbose", is_flag=True, help="Print a statistics line to stderr.")
 @click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
 def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_tokens, temp,
-             top_p, top_k, min_p, seed, chat_template, as_json, verbose, color) -> None:
+             top_p, top_k, min_p, seed, stop, chat_template, as_json, verbose, color) -> None:
     """Generate text from a prompt, streamed to stdout."""
     from .engine import stream_generate
     from .generate import chat_prompt
@@ -90,7 +92,7 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
     try:
         for r in stream_generate(family, prompt, strategy, max_tokens=max_tokens, temp=temp,
                                  top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 decoder_out=decoders):
+                                 stop=stop, decoder_out=decoders):
             text += r.text
             ids += r.tokens
             last = r

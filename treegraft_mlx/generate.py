@@ -72,9 +72,13 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
     """Detokenize committed blocks; stop at EOS / stop string / max_tokens inside a block.
 
     Text that could still become the start of a stop string is held back until it cannot,
-    so nothing from a stop string onwards is ever emitted.
+    so nothing from a stop string onwards is ever emitted. One string is one stop string (not
+    one per character); an empty one would stop before any text and is refused.
     """
     t_start = t_start if t_start is not None else time.perf_counter()
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+    if not all(isinstance(s, str) and s for s in stop_strings):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop_strings!r}")
     eos = set(tokenizer.eos_token_ids)
     holdback = max((len(s) for s in stop_strings), default=1) - 1
     detok = tokenizer.detokenizer

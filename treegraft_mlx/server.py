@@ -9,8 +9,10 @@ as OpenAI-style JSON with the right status code.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+import traceback
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -20,6 +22,9 @@ from typing import Optional
 from .engine import parse_strategy, stream_generate
 from .family import Family
 from .generate import Response, chat_prompt
+from .sampling import SamplerSettings
+
+DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -48,24 +53,31 @@ class Generator:
         if model is not None and model != self.config.model_id:
             raise RequestError(HTTPStatus.NOT_FOUND, f"model {model!r} not found; this server "
                                f"serves {self.config.model_id!r}", "model_not_found")
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256))
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.config.max_tokens_limit:
-            raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens must be an integer in "
-                               f"[1, {self.config.max_tokens_limit}]")
+        limit = self.config.max_tokens_limit
+        key = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+        max_tokens = number(body, key, min(DEFAULT_MAX_TOKENS, limit), integer=True)
+        if not 1 <= max_tokens <= limit:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} must be an integer in [1, {limit}]")
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise RequestError(HTTPStatus.BAD_REQUEST, "'stop' must be a string or a list of strings")
         strategy = body.get("strategy", self.config.strategy)
+        seed = number(body, "seed", None, integer=True)
+        if seed is not None and seed < 0:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"'seed' must be >= 0, got {seed}")
+        settings = dict(temp=float(number(body, "temperature", 0.0)),
+                        top_p=float(number(body, "top_p", 1.0)),
+                        top_k=number(body, "top_k", 0, integer=True),
+                        min_p=float(number(body, "min_p", 0.0)))
         try:
+            if not isinstance(strategy, str):
+                raise ValueError(f"'strategy' must be a string, got {strategy!r}")
             parse_strategy(strategy)
-            params = dict(strategy=strategy, max_tokens=max_tokens,
-                          temp=float(body.get("temperature", 0.0)),
-                          top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
-                          min_p=float(body.get("min_p", 0.0)), seed=body.get("seed"), stop=stop)
-        except (TypeError, ValueError) as e:
+            SamplerSettings(**settings)  # refused here, before the request queues
+        except ValueError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
-        return params
+        return dict(strategy=strategy, max_tokens=max_tokens, seed=seed, stop=stop, **settings)
 
     def run(self, prompt: str, params: dict):
         """Yield Response pieces; the lock is held for the whole generation (a queue)."""
@@ -76,6 +88,30 @@ class Generator:
                     yield r, decoders[0]
             except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
                 raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
+
+
+def number(body: dict, key: str, default, integer: bool = False):
+    """A numeric field of a request (absent or null: the default). Booleans, strings, NaN and
+    infinities are refused with a message naming the field (JSON's `true` is an int in Python)."""
+    value = body.get(key)
+    if value is None:
+        return default
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise RequestError(HTTPStatus.BAD_REQUEST, f"{key!r} must be "
+                           f"{'an integer' if integer else 'a finite number'}, got {value!r}")
+    return value
+
+
+def error_payload(e: RequestError) -> dict:
+    return {"error": {"message": e.message, "type": e.kind, "code": int(e.status)}}
+
+
+def internal_error(e: Exception) -> RequestError:
+    """What the client sees of an unexpected failure (the traceback goes to stderr)."""
+    traceback.print_exc()
+    return RequestError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                        f"generation failed: {type(e).__name__}: {e}", "server_error")
 
 
 def usage(last: Optional[Response], decoder, strategy: str) -> dict:
@@ -103,12 +139,13 @@ def make_handler(gen: Generator):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
         def _error(self, e: RequestError) -> None:
-            self._json(e.status, {"error": {"message": e.message, "type": e.kind,
-                                            "code": int(e.status)}})
+            self._json(e.status, error_payload(e))
 
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/models":
@@ -118,15 +155,25 @@ def make_handler(gen: Generator):
             else:
                 self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found"))
 
-        def _body(self) -> dict:
+        def _raw_body(self) -> bytes:
+            """The request body; a body left unread (refused) closes the connection after
+            the reply, so that it is never parsed as the next request."""
             try:
-                length = int(self.headers.get("Content-Length", "0"))
+                length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
-                raise RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
+                length = -1
+            if length < 0:  # rfile.read(-1) would wait for the client to close
+                self.close_connection = True
+                raise RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length "
+                                   f"{self.headers.get('Content-Length')!r}")
             if length > config.max_body_bytes:
+                self.close_connection = True
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                    f"request body of {length} bytes exceeds {config.max_body_bytes}")
-            raw = self.rfile.read(length)
+            return self.rfile.read(length)
+
+        def _body(self) -> dict:
+            raw = self._raw_body()
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -139,7 +186,7 @@ def make_handler(gen: Generator):
             route = self.path.rstrip("/")
             try:
                 if route not in ("/v1/completions", "/v1/chat/completions"):
-                    self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+                    self._raw_body()
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
                 body = self._body()
                 params = gen.parameters(body)
@@ -159,6 +206,8 @@ def make_handler(gen: Generator):
                     self._complete(gen.run(prompt, params), chat, params["strategy"])
             except RequestError as e:
                 self._error(e)
+            except Exception as e:  # a failure before any reply was sent: JSON, not a hang-up
+                self._error(internal_error(e))
 
         def _complete(self, pieces, chat: bool, strategy: str) -> None:
             text, last, decoder = "", None, None
@@ -202,16 +251,26 @@ def make_handler(gen: Generator):
                         chunk["usage"] = usage(last, decoder, strategy)
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
-            except RequestError:
-                if started:  # headers are gone: end the stream; the client sees no [DONE]
-                    self.close_connection = True
-                    return
-                raise
+            except Exception as e:
+                if not started:  # nothing sent yet: an ordinary JSON error reply
+                    raise
+                self.close_connection = True
+                if not isinstance(e, (BrokenPipeError, ConnectionResetError)):  # client still there
+                    # Headers are gone: end the stream with an error event (no [DONE]).
+                    self._stream_error(e if isinstance(e, RequestError) else internal_error(e))
+                return
             if not started:
                 raise RequestError(HTTPStatus.INTERNAL_SERVER_ERROR, "no output")
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
             self.close_connection = True
+
+        def _stream_error(self, e: RequestError) -> None:
+            try:
+                self.wfile.write(f"data: {json.dumps(error_payload(e))}\n\n".encode())
+                self.wfile.flush()
+            except OSError:  # the client is gone: nobody to tell
+                pass
 
     return Handler
 

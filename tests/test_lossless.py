@@ -1,0 +1,188 @@
+"""End-to-end losslessness on the trained fixture: sampled tokens 2 to 4 of every tree strategy
+follow the target's processed distribution, with per-step sizing and with a fixed tree.
+
+Statistic: the randomized probability integral transform. For each generated token, with the
+target's processed distribution p at its position (one plain forward over prompt + output),
+tokens ranked by descending p: u = P(rank before the token) + V * p(token), V ~ U(0, 1). If the
+engine samples exactly from p, the u of tokens 2-4 over all runs are independent U(0, 1)
+whatever the prompts and filters; a chi-square over 10 bins tests that (df 9, alpha 0.001).
+Each run must draw only tokens the filters allow (p > 0): a filter bug fails at once.
+
+A second statistic sees acceptance itself (DraftedNodes): at each visited node with drafted
+children, the committed token is one of them with probability q = p(their tokens); z of the
+hits against sum(q) (two-sided, alpha 0.001).
+
+Power, measured (150 runs a case, seeds fixed; exact engine |z| <= 0.7, chi-square <= 7.3):
+- `follows_the_argmax` (greedy acceptance mixed into sampling), injected into the real engine:
+  z 5.7-11.8 in every case (test_a_broken_acceptance_rule_fails_every_case, at RUNS);
+- `keeps_rejected_drafts` (test_sampling.py's mutant: rejected drafts stay in the bonus
+  distribution): z 3.5-9.1 on fixed trees, 6.7-7.3 for sized `treegraft` / `draft`, but only
+  3.0 for sized `ngram`, whose verified drafts are mostly near-certain: below this test's bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from scripted import deterministic
+from treegraft_mlx import engine, fixture_path, generate, load
+from treegraft_mlx import verify as verify_module
+from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
+from treegraft_mlx.session import Session
+from treegraft_mlx.timing import StepCosts
+from treegraft_mlx.verify import Acceptance
+
+RUNS = 120
+BINS = 10
+CHI2_CRIT_DF9_001 = 27.88
+Z_CRIT_001 = 3.29            # two-sided, alpha 0.001
+FILTERS = (SamplerSettings(temp=0.7, top_k=20, top_p=0.9, min_p=0.02),
+           SamplerSettings(temp=1.0, top_k=12, top_p=0.95, min_p=0.05))
+# Copy-heavy code: drafts are accepted often enough to exercise acceptance and rejection.
+PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+          "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
+CASES = [("ngram", True), ("draft", True), ("treegraft", True),
+         ("ngram", False), ("draft", False), ("treegraft-learned", False),
+         ("treegraft-fixed:1,3", False), ("chain:3", False)]
+# Per-step sizing priced on a flat verification curve (bf16 weights on a Mac GPU: 2-16 rows
+# cost about one): the sizer verifies trees of uncertain drafts too, where an acceptance bug
+# shows. On the CPU's curve (tests/scripted.py) it verifies near-certain drafts only.
+FLAT = StepCosts(tuple(range(1, 33)), (22.5,) * 16 + (30.0,) * 16, ar_ms=22.2, overhead_ms=0.3,
+                 draft_ms=0.3)
+
+
+@pytest.fixture(autouse=True)
+def flat_costs(monkeypatch):
+    monkeypatch.setattr(engine, "step_costs", lambda family, tree, refresh=False: FLAT)
+
+
+@pytest.fixture(scope="module")
+def family():
+    """The fixture family with no end-of-sequence token: an EOS drawn at token 2-4 would end
+    the run and drop that draw from the statistic, biasing it."""
+    family = deterministic(load(fixture_path()))
+    family.tokenizer._eos_token_ids.clear()
+    return family
+
+
+@dataclasses.dataclass
+class Outcome:
+    chi2: float         # randomized PIT of tokens 2-4, 10 bins
+    z: float            # drafted tokens committed at drafted nodes, against their probability
+    trees: int          # steps that verified drafts
+    accepted: int       # drafts accepted
+    rejected: int       # drafts verified and not accepted
+
+
+class DraftedNodes:
+    """Wraps the engine's sampled acceptance rule: at every node the walk visits that has
+    drafted children, records P(the target's token is one of them) under the processed
+    distribution (from the verified logits) and whether the committed token was. Exact
+    acceptance commits a drafted token with exactly that probability."""
+
+    def __init__(self, rule):
+        self.rule, self.q, self.hit = rule, [], []
+
+    def __call__(self, tree, logits, settings, rng) -> Acceptance:
+        acc = self.rule(tree, logits, settings, rng)
+        committed = [tree.token[n] for n in acc.path[1:]] + [acc.bonus]
+        for node, token in zip(acc.path, committed):
+            kids = [tree.token[c] for c in tree.children_of(node)]
+            if kids:
+                p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
+                self.q.append(float(p[kids].sum()))
+                self.hit.append(token in kids)
+        return acc
+
+    def z(self) -> float:
+        q = np.array(self.q)
+        return float((np.sum(self.hit) - q.sum()) / np.sqrt(max((q * (1 - q)).sum(), 1e-12)))
+
+
+def pit(p: np.ndarray, token: int, rng: np.random.Generator) -> float:
+    order = np.lexsort((np.arange(len(p)), -p))      # descending p, ties by id
+    rank = int(np.flatnonzero(order == token)[0])
+    return float(p[order[:rank]].sum() + rng.random() * p[token])
+
+
+def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUNS) -> Outcome:
+    drafted = DraftedNodes(verify_module.accept_sample)
+    monkeypatch.setattr(verify_module, "accept_sample", drafted)
+    tree = dataclasses.replace(family.tree, adaptive=adaptive)
+    session = Session(family, tree)          # the prompt's prefill is reused run after run
+    prompt = family.tokenizer.encode(PROMPT)
+    rows: dict[tuple, mx.array] = {}         # reference logits by output prefix
+    rng = np.random.default_rng(12345)
+    us, trees, accepted, rejected = [], 0, 0, 0
+    for seed in range(runs):
+        s = FILTERS[seed % len(FILTERS)]
+        out = generate(family, prompt, strategy, max_tokens=4, temp=s.temp, top_k=s.top_k,
+                       top_p=s.top_p, min_p=s.min_p, seed=seed, session=session, tree=tree)
+        toks = out.token_ids
+        assert len(toks) == 4, (strategy, seed)
+        key = tuple(toks[:3])
+        if key not in rows:
+            rows[key] = family.target(mx.array([prompt + toks[:3]]))[0, -4:]
+        for j in (1, 2, 3):
+            p = host_probs(np.array(rows[key][j]), s)
+            assert p[toks[j]] > 0, (strategy, seed, j, "a filtered token was drawn")
+            us.append(pit(p, toks[j], rng))
+        for st in out.step_stats:
+            if st.nodes_verified > 1:
+                trees += 1
+                accepted += st.accepted
+                rejected += st.nodes_verified - 1 - st.accepted
+    counts = np.bincount(np.minimum((np.array(us) * BINS).astype(int), BINS - 1), minlength=BINS)
+    expected = len(us) / BINS
+    monkeypatch.setattr(verify_module, "accept_sample", drafted.rule)
+    return Outcome(float(((counts - expected) ** 2 / expected).sum()), drafted.z(), trees,
+                   accepted, rejected)
+
+
+@pytest.mark.parametrize("strategy, adaptive", CASES)
+def test_sampled_tokens_follow_the_target_distribution(family, strategy, adaptive, monkeypatch):
+    got = run_case(family, strategy, adaptive, monkeypatch)
+    assert got.trees >= 20 and got.accepted >= 20 and got.rejected >= 20, got
+    assert got.chi2 < CHI2_CRIT_DF9_001 and abs(got.z) < Z_CRIT_001, got
+
+
+def keeps_rejected_drafts(tree, logits, settings, rng) -> Acceptance:
+    """The mutant: children tried in score order, each accepted with probability p(x); after
+    all are rejected the bonus comes from p itself, rejected drafts not removed."""
+    node, path = 0, [0]
+    while True:
+        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
+        for c in sorted(tree.children_of(node), key=lambda c: (-tree.score[c], c)):
+            if rng.random() < p[tree.token[c]]:
+                node = c
+                path.append(c)
+                break
+        else:
+            return Acceptance(path, draw(p, rng))
+
+
+def follows_the_argmax(tree, logits, settings, rng) -> Acceptance:
+    """The mutant: a drafted child that is the target's most likely token is accepted outright
+    (greedy acceptance mixed into sampling); otherwise the exact draw."""
+    node, path = 0, [0]
+    while True:
+        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
+        best = tree.child(node, int(np.argmax(p)))
+        y = draw(p, rng)
+        nxt = best if best >= 0 else tree.child(node, y)
+        if nxt < 0:
+            return Acceptance(path, y)
+        node = nxt
+        path.append(node)
+
+
+def test_a_broken_acceptance_rule_fails_every_case(family, monkeypatch):
+    """The same statistics catch a broken rule in every case, through the real engine."""
+    monkeypatch.setattr(verify_module, "accept_sample", follows_the_argmax)
+    for strategy, adaptive in CASES:
+        got = run_case(family, strategy, adaptive, monkeypatch)
+        assert got.chi2 > CHI2_CRIT_DF9_001 or abs(got.z) > Z_CRIT_001, (strategy, adaptive, got)
