@@ -154,6 +154,44 @@ def test_strong_drafter_runs_only_new_nodes_and_matches_one_forward(family):
     assert mx.abs(again - whole).max().item() < 1e-4
 
 
+def test_commit_records_what_the_target_saw_and_counts_blocks(family):
+    """Every committed position keeps the target's top log-probs of a plain forward (not the
+    tree's first rows, not one position late), and the step statistics count each block's
+    drafts without the root: their blocks add up to the tokens generated."""
+    from treegraft_mlx.history import top_logprobs
+
+    fixed = dataclasses.replace(family.tree, adaptive=False)
+    session = Session(family, fixed)
+    prompt = suite_prompts(1)[1]["prompt"]
+    out = generate(family, prompt, "ngram", max_tokens=48, tree=fixed, session=session)
+    assert max(s.accepted for s in out.step_stats) >= 2
+    history = session.history
+    n = history.committed
+    _, want = top_logprobs(family.target(mx.array([history.tokens[:n]]))[0])
+    order = np.argsort(-want, axis=-1, kind="stable")
+    want = np.take_along_axis(want, order, -1)
+    assert np.abs(history.top_lp[:n] - want).max() < 1e-3
+    blocks = np.cumsum([s.accepted + 1 for s in out.step_stats])
+    assert blocks[-2] < len(out.token_ids) <= blocks[-1]
+
+
+def test_accept_and_commit_returns_what_the_history_gained(family):
+    """The calibration loops' step returns exactly the tokens appended after the root."""
+    from treegraft_mlx.engine import accept_and_commit
+    from treegraft_mlx.verify import verify
+
+    session = Session(family)
+    ids = family.tokenizer.encode(suite_prompts(1)[1]["prompt"])
+    root = session.prefill(ids, SamplerSettings(), np.random.default_rng(0))
+    tree = DraftTree.rooted_at(root)
+    session.ngram.expand(tree, [0], 1, session.history)
+    before = len(session.history.tokens)
+    logits = verify(family.target, session.cache, tree)
+    new, bonus = accept_and_commit(session, [session.ngram], tree, logits, SamplerSettings(),
+                                   np.random.default_rng(0))
+    assert session.history.tokens[before:] == new and new[-1] == bonus == session.history.root
+
+
 def test_unknown_strategy_and_missing_drafter_are_clear(family):
     with pytest.raises(ValueError, match="unknown strategy"):
         generate(family, "x = 1", "fastest")
@@ -276,6 +314,23 @@ def test_call_pricer_learns_when_the_strong_drafter_pays():
         pricer.observe(poor, 1.0, 4.0)
     assert pricer.should_call(poor, rate) and pricer.call_ms == pytest.approx(4.0, abs=0.01)
     assert pricer.should_call(rich, rate)                  # another bucket: its own evidence
+
+
+def test_call_pricer_starts_from_a_calibrated_never():
+    """Where the bundle's calibration decided never to call (b0 = 0), the pricer only explores
+    (one call per EXPLORE_EVERY skips in each bucket) until calls prove they pay."""
+    from treegraft_mlx.engine import CallPricer, calibrated_never
+
+    pricer = CallPricer(t_mid_ms=8.0, layers=[1], never=True)
+    decisions = [pricer.should_call(0, 0.05) for _ in range(2 * CallPricer.EXPLORE_EVERY)]
+    assert sum(decisions) == 2 and not decisions[0]
+    for _ in range(30):
+        pricer.observe(0, 1.0, 4.0)                        # the explored calls paid
+    assert pricer.should_call(0, 0.05)
+    family = load(fixture_path(), warmup=False)
+    b0 = {sampled: family.scheduler(sampled)[1]["b0"] for sampled in (False, True)}
+    assert calibrated_never(family, SamplerSettings()) == (b0[False] == 0)
+    assert calibrated_never(family, SamplerSettings(temp=0.7)) == (b0[True] == 0)
 
 
 def test_drafting_stops_when_it_does_not_pay_and_still_explores():

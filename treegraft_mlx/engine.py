@@ -144,7 +144,8 @@ class Decoder:
             key = ("pricer", not settings.greedy, session.tree)
             if key not in family.runtime_state:
                 t_mid = scheduler_timing(family, session.tree).t_mid_ms
-                family.runtime_state[key] = CallPricer(t_mid, sorted(strategy.combine_layers))
+                family.runtime_state[key] = CallPricer(t_mid, sorted(strategy.combine_layers),
+                                                       calibrated_never(family, settings))
             self.pricer = family.runtime_state[key]
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
@@ -382,6 +383,13 @@ class Sizer:
         return self.skipped % DRAFT_EXPLORE_EVERY == 0
 
 
+def calibrated_never(family: Family, settings: SamplerSettings) -> bool:
+    """The bundle's calibration for this regime decided never to call the strong drafter
+    (its scheduler's budget b0 is 0)."""
+    learned = family.scheduler(not settings.greedy)
+    return learned is not None and learned[1].get("b0", 1) == 0
+
+
 class CallPricer:
     """Prices a strong-drafter call in the size choice's currency (docs/design.md §9): what the call
     adds to the best plan's value (expected tokens less time at the long-run rate) is learned
@@ -398,10 +406,13 @@ class CallPricer:
     EXPLORE_EVERY = 16
     EMA = 0.2
 
-    def __init__(self, t_mid_ms: float, layers: Sequence[int]):
+    def __init__(self, t_mid_ms: float, layers: Sequence[int], never: bool = False):
+        """`never`: the calibration found no call worth making; every bucket starts from
+        that (a trusted zero gain), so calls are only the exploring ones."""
         self.call_ms, self.layers = t_mid_ms, frozenset(layers)
         n = len(self.EDGES) + 1
-        self.gain, self.calls, self.skips = [0.0] * n, [0] * n, [0] * n
+        self.gain, self.skips = [0.0] * n, [0] * n
+        self.calls = [self.TRIES if never else 0] * n
 
     def bucket(self, expected: float) -> int:
         return int(np.searchsorted(self.EDGES, expected, side="right"))
