@@ -2,9 +2,11 @@
 and leaves every drafter in the state a fresh session would have."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from treegraft_mlx import generate, load
+from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.session import Session, common_prefix
 
 FIRST = "def add(a, b):\n    return a + b\n"
@@ -108,3 +110,25 @@ def test_drafters_after_a_second_turn_match_a_fresh_session(family, kind):
     assert session.strong.cache.offset == fresh.strong.cache.offset > len(second)
     assert strong_cache_error(session) < 1e-4
     assert dict(session.ngram.index.ends) == dict(fresh.ngram.index.ends)
+
+
+def test_prompt_rows_are_computed_only_where_read(family):
+    """Prefill defers the prompt's top log-probs; reading one position computes its block
+    alone, with the values a plain forward gives; a reused prefix carries deferred rows."""
+    from treegraft_mlx.history import LAZY_BLOCK, top_logprobs
+
+    ids = family.tokenizer.encode("def add(a, b):\n    return a + b\n" * 12)
+    assert len(ids) > 2 * LAZY_BLOCK
+    session = Session(family)
+    session.prefill(ids, SamplerSettings(), np.random.default_rng(0))
+    history = session.history
+    assert (history.top_ids[:len(ids)] < 0).all()            # nothing computed up front
+    _, want = top_logprobs(family.target(mx.array([ids]))[0])
+    p = LAZY_BLOCK + 3
+    assert history.logprob(p, 0) <= 0
+    computed = np.flatnonzero(history.top_ids[:len(ids), 0] >= 0)
+    assert computed.tolist() == list(range(LAZY_BLOCK, 2 * LAZY_BLOCK))
+    assert np.allclose(history.top_lp[p], np.sort(want[p])[::-1], atol=1e-4)
+    session.prefill(ids + [7, 8], SamplerSettings(), np.random.default_rng(0))
+    ids_all, lp_all = session.history.top(len(ids))
+    assert np.allclose(lp_all, -np.sort(-want, axis=-1), atol=1e-4)

@@ -156,10 +156,15 @@ class Decoder:
 
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
         root = self.session.prefill(prompt_ids, self.settings, self.rng)
-        yield []  # prefill done
-        if self.strategy.kind == "ar":
+        if self.strategy.kind == "ar":      # nothing reads the prompt's rows (History.defer)
+            yield []  # prefill done
             yield from self._ar_steps(root)
-        elif self.sizer is not None:
+            return
+        # The drafters read them: computed with the prefill, so that the drafting time the
+        # sizer learns from is drafting alone.
+        self.session.history.top(self.session.history.committed)
+        yield []
+        if self.sizer is not None:
             yield from self._adaptive_steps(root)
         else:
             yield from self._tree_steps(root)

@@ -2,16 +2,23 @@
 
 Drafters read from here: the tokens for n-gram matching and the target's top-10 log-probs
 per position, kept from prefill and from every verification, so that matches anywhere in the
-prompt or the generated text carry real scores.
+prompt or the generated text carry real scores. A prompt's rows are kept as the target's final
+hidden states and turned into top log-probs only where a drafter first reads them: a row's
+logits cost a pass over the whole vocabulary, and the first token should not wait for them.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 TOP_LOGPROBS = 10
 OUTSIDE_TOP_PENALTY = 5.0  # a token outside the top-10 scores the 10th value minus this
+LAZY_BLOCK = 64            # deferred prompt rows computed together on first read
+
+Head = Callable[[mx.array], mx.array]      # final hidden states (L, H) -> logits (L, V)
 
 
 class History:
@@ -22,6 +29,8 @@ class History:
         # position -> ({token: log-prob}, score of any other token): the n-gram drafter asks
         # thousands of times per generation; a dict lookup beats a numpy search per call.
         self._rows: dict[int, tuple[dict[int, float], float]] = {}
+        # Deferred prompt rows by block (position // LAZY_BLOCK): (start, hidden, head) parts.
+        self._deferred: dict[int, list[tuple[int, mx.array, Head]]] = {}
 
     @property
     def committed(self) -> int:
@@ -46,10 +55,43 @@ class History:
         for p in range(start, end):
             self._rows.pop(p, None)
 
+    def defer(self, start: int, hidden: mx.array, head: Head) -> None:
+        """Rows start, ... as evaluated final hidden states (L, H): their top log-probs are
+        computed when a position of their block is first read."""
+        end = start + hidden.shape[0]
+        pos = start
+        while pos < end:
+            stop = min(end, (pos // LAZY_BLOCK + 1) * LAZY_BLOCK)
+            self._deferred.setdefault(pos // LAZY_BLOCK, []).append(
+                (pos, hidden[pos - start:stop - start], head))
+            pos = stop
+
+    def inherit(self, old: "History", keep: int) -> None:
+        """The target's view of the first `keep` positions from `old` (a reused prefix),
+        deferred rows included."""
+        self.top_ids[:keep], self.top_lp[:keep] = old.top_ids[:keep], old.top_lp[:keep]
+        for block, parts in old._deferred.items():
+            for start, hidden, head in parts:
+                if start < keep:
+                    self._deferred.setdefault(block, []).append(
+                        (start, hidden[:keep - start], head))
+
+    def top(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-10 ids and log-probs of positions [0, end), deferred rows computed."""
+        for block in [b for b in self._deferred if b * LAZY_BLOCK < end]:
+            self._compute(block)
+        return self.top_ids[:end], self.top_lp[:end]
+
+    def _compute(self, block: int) -> None:
+        for start, hidden, head in self._deferred.pop(block, []):
+            self.record(start, *top_logprobs(head(hidden)))
+
     def logprob(self, position: int, token: int) -> float:
         """Target log-prob of `token` following `position` (0.0 where nothing was recorded)."""
         row = self._rows.get(position)
         if row is None:
+            if self._deferred:
+                self._compute(position // LAZY_BLOCK)
             ids = self.top_ids[position]
             if ids[0] < 0:
                 return 0.0

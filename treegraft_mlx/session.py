@@ -40,6 +40,25 @@ class Session:
         self.strong = (ModelDrafter(family.strong, "draft", t.top_k, t.depth, t.lookback)
                        if family.strong is not None else None)
 
+    def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
+        """Run one chunk of the prompt into the cache; its rows' top log-probs are deferred
+        (History.defer) where the target exposes its hidden states, so only the last row's
+        logits are computed now (what `mlx_lm` computes); a pipeline target, whose head runs
+        on its last rank, returns every row's logits and they are recorded at once."""
+        target = self.family.target
+        tokens = mx.array([chunk])
+        if not hasattr(target, "run_layers"):
+            logits = target(tokens, cache=self.cache)[0]
+            self.cache.commit()
+            history.record(start, *top_logprobs(logits))
+            return logits[-1]
+        hidden = target.run_layers(target.embed(tokens), self.cache)[0]
+        self.cache.commit()
+        last = target.head(hidden[None, -1:])[0, -1]
+        mx.eval(hidden, last)
+        history.defer(start, hidden, target.head)
+        return last
+
     def reusable(self, ids: list[int]) -> int:
         """Cached tokens the new prompt starts with (its last token is always re-run)."""
         if self.history is None:
@@ -53,19 +72,13 @@ class Session:
         Afterwards history = prompt + [first token] (pending) and every drafter is in sync.
         """
         keep = self.reusable(ids)
-        old = self.history
         history = History(ids, capacity=len(ids) + 1024)
         if keep:
-            history.top_ids[:keep], history.top_lp[:keep] = old.top_ids[:keep], old.top_lp[:keep]
+            history.inherit(self.history, keep)
         self.cache.reset(keep)
         last = None
         for start in range(keep, len(ids), PREFILL_CHUNK):
-            logits = self.family.target(mx.array([ids[start:start + PREFILL_CHUNK]]),
-                                        cache=self.cache)[0]
-            self.cache.commit()
-            top_ids, top_lp = top_logprobs(logits)
-            history.record(start, top_ids, top_lp)
-            last = logits[-1]
+            last = self._prefill_chunk(history, start, ids[start:start + PREFILL_CHUNK])
         root = pick(last, settings, rng)
         history.extend([root])
         self.history = history
