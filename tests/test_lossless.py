@@ -15,9 +15,9 @@ hits against sum(q) (two-sided, alpha 0.001).
 Power, measured (150 runs a case, seeds fixed; exact engine |z| <= 0.7, chi-square <= 7.3):
 - `follows_the_argmax` (greedy acceptance mixed into sampling), injected into the real engine:
   z 5.7-11.8 in every case (test_a_broken_acceptance_rule_fails_every_case, at RUNS);
-- `keeps_rejected_drafts` (test_sampling.py's mutant: rejected drafts stay in the bonus
-  distribution): z 3.5-9.1 on fixed trees, 6.7-7.3 for sized `treegraft` / `draft`, but only
-  3.0 for sized `ngram`, whose verified drafts are mostly near-certain: below this test's bound.
+- test_sampling.py's `wrong_accept` (rejected drafts stay in the bonus distribution): z 3.5-9.1
+  on fixed trees, 6.7-7.3 for sized `treegraft` / `draft`, but only 3.0 for sized `ngram`,
+  whose verified drafts are mostly near-certain: below this test's bound.
 """
 
 from __future__ import annotations
@@ -148,21 +148,6 @@ def test_sampled_tokens_follow_the_target_distribution(family, strategy, adaptiv
     got = run_case(family, strategy, adaptive, monkeypatch)
     assert got.trees >= 20 and got.accepted >= 20 and got.rejected >= 20, got
     assert got.chi2 < CHI2_CRIT_DF9_001 and abs(got.z) < Z_CRIT_001, got
-
-
-def keeps_rejected_drafts(tree, logits, settings, rng) -> Acceptance:
-    """The mutant: children tried in score order, each accepted with probability p(x); after
-    all are rejected the bonus comes from p itself, rejected drafts not removed."""
-    node, path = 0, [0]
-    while True:
-        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
-        for c in sorted(tree.children_of(node), key=lambda c: (-tree.score[c], c)):
-            if rng.random() < p[tree.token[c]]:
-                node = c
-                path.append(c)
-                break
-        else:
-            return Acceptance(path, draw(p, rng))
 
 
 def follows_the_argmax(tree, logits, settings, rng) -> Acceptance:
