@@ -230,7 +230,7 @@ class Decoder:
                 full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
                 plan = self.sizer.plan(full, history.committed)
             elif self.pricer is not None:
-                build, plan = self._priced_build(root, history)
+                build, plan = self._priced_build(root, history, in_flight=queued is not None)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
             else:
                 build = self._build(root, history)
@@ -264,17 +264,20 @@ class Decoder:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _priced_build(self, root: int, history: History) -> tuple["TreeBuild", Plan]:
+    def _priced_build(self, root: int, history: History,
+                      in_flight: bool) -> tuple["TreeBuild", Plan]:
         """The n-gram tree, and the tree with a strong-drafter call when the pricer expects
         the call to pay; the one whose plan is worth more (both planned from drafter-side
-        evidence only). Every call teaches the pricer what it gained."""
+        evidence only). Every call teaches the pricer what it gained. No call while the
+        root's forward is `in_flight`: the drafter's forward would wait for it on the same
+        stream and leave the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
         cfg, pricer, sizer = self.session.tree, self.pricer, self.sizer
         cheap = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
         cheap.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters[:1], cfg, history)
         plan = sizer.plan(cheap.tree, history.committed)
         t0 = self.clock()
         bucket = pricer.bucket(plan.expected)
-        call = pricer.should_call(bucket, sizer.rate)
+        call = not in_flight and pricer.should_call(bucket, sizer.rate)
         cheap.t_schedule = self.clock() - t0       # the pricer's own work
         if not call:
             return cheap, plan
