@@ -13,8 +13,8 @@ streaming and statistics are shared (generate.stream). Strategies by name:
                           calibrated one when sampling, if the bundle has one)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
 
-Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree its drafts
-are worth on this device, the root alone being a pipelined AR step. With
+Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree
+its drafts are worth on this device, the root alone being a pipelined AR step. With
 `TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
 What the sizing and the pricer learn while running (the worth of drafting, of a call) follows
 measured drafting times, so a seeded sampled run can differ between runs (never in its
@@ -344,8 +344,8 @@ class ArForward:
 
 
 class Sizer:
-    """Chooses what each step verifies (docs/design.md §7): acceptance estimates for the built tree,
-    path probabilities, and the subtree that maximises expected tokens minus the step's
+    """Chooses what each step verifies (docs/design.md §7): acceptance estimates for the
+    built tree, path probabilities, and the subtree that maximises expected tokens minus the step's
     measured cost priced at the long-run rate (an EMA of the planned tokens per ms)."""
 
     def __init__(self, acceptance: AcceptanceModel, costs: StepCosts, cfg: TreeConfig,
@@ -399,8 +399,8 @@ def calibrated_never(family: Family, settings: SamplerSettings) -> bool:
 
 
 class CallPricer:
-    """Prices a strong-drafter call in the size choice's currency (docs/design.md §9): what the call
-    adds to the best plan's value (expected tokens less time at the long-run rate) is learned
+    """Prices a strong-drafter call in the size choice's currency (docs/design.md §9): what
+    the call adds to the best plan's value (expected tokens less time at the long-run rate) is learned
     from the calls made, per bucket of the n-gram tree's expected tokens (the drafter helps
     most where the n-gram drafter found little); the call is made iff that gain exceeds its
     cost at the same rate: the measured time of the calls made (T_mid until there is one).
