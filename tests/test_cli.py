@@ -137,7 +137,10 @@ def test_bench_small_run(tmp_path):
     report = json.loads(out.read_text())
     strategies = report["summary"]["strategies"]
     assert set(strategies) == {"ar", "ngram@paper", "treegraft-fixed:1,3"}
-    assert strategies["ar"]["all"]["speedup_vs_ar"] == 1.0
+    for name, by_cat in strategies.items():     # every ratio is to ar's speed in the same run
+        for cat, v in by_cat.items():
+            assert v["speedup_vs_ar"] == pytest.approx(
+                v["tokens_per_sec"] / strategies["ar"][cat]["tokens_per_sec"]), (name, cat)
     assert len(report["runs"]) == 4 * 3 and report["meta"]["max_tokens"] == 16
 
 
@@ -147,6 +150,10 @@ def test_convert_command(tmp_path):
             "--q-bits", "8", "--q-group-size", "32")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "out/treegraft.json").read_text())["quantization"]["bits"] == 8
+    r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "plain"),
+            "--q-bits", "8")                # a quantization setting without -q is a mistake
+    assert r.exit_code == 2 and "--q-bits" in r.output and "-q" in r.output
+    assert not (tmp_path / "plain").exists()
     r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out"))
     assert r.exit_code == 1 and "already exists" in r.output
 

@@ -296,6 +296,12 @@ def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quan
     """Convert a target and its drafters into one MLX TreeGraft bundle."""
     from .convert import ConvertError, QuantSpec, convert_family
 
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("q_bits", "q_group_size", "quant_recipe")
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given and not quantize:
+        raise click.UsageError(f"{', '.join(given)} only apply with -q/--quantize")
+
     def bar(role: str, n: int):
         return click.progressbar(length=n, label=f"converting {role}", file=sys.stderr)
 
