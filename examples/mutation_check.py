@@ -17,6 +17,7 @@ unmutated copy must pass every test list used (the baseline).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ("tests/test_tree.py", "tests/test_acceptance.py", "tests/test_distribution.py",
@@ -237,17 +239,24 @@ def first_failure(rc: int, output: str) -> str:
     return f"import error in {Path(conftest.group(1)).name}" if conftest else f"pytest exit {rc}"
 
 
-def run_mutant(copy: Path, m: Mutant) -> Outcome:
-    """Apply one mutant in the copy, run its tests, restore the file."""
+@contextlib.contextmanager
+def applied(copy: Path, m: Mutant) -> Iterator[None]:
+    """The mutant's replacement in the copy for the duration; the file restored after."""
     path = copy / m.file
     source = path.read_text()
     path.write_text(source.replace(m.original, m.replacement, 1))
-    tests = FAST_TESTS + m.extra
-    t0 = time.monotonic()
     try:
-        rc, output = run_pytest(copy, tests, BASE_TIMEOUT_S + EXTRA_TIMEOUT_S * len(m.extra))
+        yield
     finally:
         path.write_text(source)
+
+
+def run_mutant(copy: Path, m: Mutant) -> Outcome:
+    """Apply one mutant in the copy, run its tests, restore the file."""
+    t0 = time.monotonic()
+    with applied(copy, m):
+        rc, output = run_pytest(copy, FAST_TESTS + m.extra,
+                                BASE_TIMEOUT_S + EXTRA_TIMEOUT_S * len(m.extra))
     killed = rc != 0
     return Outcome(m.name, m.file, m.bug, killed, first_failure(rc, output) if killed else "",
                    round(time.monotonic() - t0, 1))
@@ -255,13 +264,8 @@ def run_mutant(copy: Path, m: Mutant) -> Outcome:
 
 def check_sanity(copy: Path) -> None:
     """A deliberately broken tree.py in the copy must fail the tree tests with its marker."""
-    path = copy / SANITY.file
-    source = path.read_text()
-    path.write_text(source.replace(SANITY.original, SANITY.replacement, 1))
-    try:
+    with applied(copy, SANITY):
         rc, output = run_pytest(copy, ("tests/test_tree.py",), BASE_TIMEOUT_S)
-    finally:
-        path.write_text(source)
     if rc == 0 or SANITY_MARKER not in output:
         raise SystemExit("mutation check: the broken copy did not fail: the copy is not what runs")
     print(f"sanity: broken copy fails as it should ({first_failure(rc, output)})", flush=True)
