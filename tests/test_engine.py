@@ -271,7 +271,7 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
     adaptive loop: AR steps with the next forward already queued, a tree worth verifying while
     the root's forward is in flight (its confirmed child's subtree is carried to the next
     step), and plain tree steps. Greedy output equals `ar`; sampled output is reproducible."""
-    from treegraft_mlx.engine import Sizer
+    from treegraft_mlx.pricing import Sizer
     from treegraft_mlx.tree import Plan
 
     calls = []
@@ -297,45 +297,32 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
         assert out.token_ids == generate(family, prompt, "ngram", **kw).token_ids
 
 
-def test_call_pricer_learns_when_the_strong_drafter_pays():
-    from treegraft_mlx.engine import CallPricer
+def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours():
+    from treegraft_mlx.pricing import CallPolicy
 
-    pricer = CallPricer(t_mid_ms=8.0, layers=[1])
-    poor, rich = pricer.bucket(1.0), pricer.bucket(3.0)
-    assert poor == 0 and rich == len(CallPricer.EDGES)
-    rate = 0.05                                            # 8 ms cost 0.4 tokens
-    for _ in range(CallPricer.TRIES):                      # no evidence yet: try it
-        assert pricer.should_call(poor, rate)
-        pricer.observe(poor, 0.1, 8.0)
-    assert pricer.gain[poor] == pytest.approx(0.1)
-    decisions = [pricer.should_call(poor, rate) for _ in range(2 * CallPricer.EXPLORE_EVERY)]
-    assert sum(decisions) == 2 and decisions[CallPricer.EXPLORE_EVERY - 1]   # explores
-    for _ in range(30):                                    # calls turn out to pay
-        pricer.observe(poor, 1.0, 4.0)
-    assert pricer.should_call(poor, rate) and pricer.call_ms == pytest.approx(4.0, abs=0.01)
-    assert pricer.should_call(rich, rate)                  # another bucket: its own evidence
-
-
-def test_call_pricer_starts_from_a_calibrated_never():
-    """Where the bundle's calibration decided never to call (b0 = 0), the pricer only explores
-    (one call per EXPLORE_EVERY skips in each bucket) until calls prove they pay."""
-    from treegraft_mlx.engine import CallPricer, calibrated_never
-
-    pricer = CallPricer(t_mid_ms=8.0, layers=[1], never=True)
-    decisions = [pricer.should_call(0, 0.05) for _ in range(2 * CallPricer.EXPLORE_EVERY)]
-    assert sum(decisions) == 2 and not decisions[0]
-    for _ in range(30):
-        pricer.observe(0, 1.0, 4.0)                        # the explored calls paid
-    assert pricer.should_call(0, 0.05)
-    family = load(fixture_path(), warmup=False)
-    b0 = {sampled: family.scheduler(sampled)[1]["b0"] for sampled in (False, True)}
-    assert calibrated_never(family, SamplerSettings()) == (b0[False] == 0)
-    assert calibrated_never(family, SamplerSettings(temp=0.7)) == (b0[True] == 0)
+    policy = CallPolicy(max_k=5)
+    poor, rich = policy.bucket(1.0), policy.bucket(3.0)
+    assert poor == 0 and rich == len(CallPolicy.EDGES)
+    speed = {0: 1 / 20, 1: 1.5 / 24, 2: 2.2 / 28, 3: 2.4 / 32, 4: 2.5 / 36, 5: 2.5 / 40}
+    first = []
+    for _ in range(2 * CallPolicy.TRIES):
+        first.append(policy.choose(poor))
+        policy.observe(poor, first[-1], 1000 * speed[first[-1]], 1000.0)
+    assert first == [0] * CallPolicy.TRIES + [1] * CallPolicy.TRIES     # no call, then 1
+    seen = []
+    for _ in range(40 * CallPolicy.EXPLORE_EVERY):                  # tokens per ms as above
+        k = policy.choose(poor)
+        seen.append(k)
+        policy.observe(poor, k, 1000 * speed[k], 1000.0)
+    assert policy.peek(poor) == 2 == max(set(seen), key=seen.count)  # climbed to the best
+    assert {1, 3} <= set(seen) and 5 not in seen                     # explores neighbours only
+    assert policy.peek(rich) == 0                                    # its own evidence
+    assert policy.rate(poor)[2] == pytest.approx(speed[2])
 
 
 def test_drafting_stops_when_it_does_not_pay_and_still_explores():
     from treegraft_mlx.acceptance import AcceptanceModel
-    from treegraft_mlx.engine import DRAFT_EXPLORE_EVERY, Sizer
+    from treegraft_mlx.pricing import DRAFT_EXPLORE_EVERY, Sizer
     from treegraft_mlx.family import TreeConfig
     from treegraft_mlx.timing import StepCosts
     from treegraft_mlx.tree import Plan

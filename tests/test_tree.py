@@ -7,7 +7,7 @@ import pytest
 from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
 from treegraft_mlx.tree import (DraftTree, ancestor_mask, attention_mask, build_cap, depths,
-                                path_to, positions, prune)
+                                graft_chain, path_to, positions, prune)
 
 
 def small_tree() -> DraftTree:
@@ -172,6 +172,31 @@ def test_graft_rescores_reselects_shallow_and_deletes_nothing():
     best_root = set(np.argsort(-logp[4])[:3].tolist())
     assert {t.token[i] for i in t.children_of(0)} >= best_root
     assert len(frontier) <= 3 and all(t.parent[f] in (0, a, b, c) for f in frontier)
+
+
+def test_draft_chain_is_the_drafters_greedy_continuation_with_its_logprobs():
+    h = history_of([1, 2, 3, 4])
+    strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
+    tokens, logps = strong.draft_chain(5, 4, h)
+    logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
+    expected, last = [], 5
+    for _ in range(4):
+        last = int(np.argmax(logp[last]))
+        expected.append(last)
+    assert tokens == expected
+    assert np.allclose(logps, [logp[a, b] for a, b in zip([5] + expected, expected)], atol=1e-5)
+    assert strong.cache.offset == h.committed and strong.calls == 4   # chain rows dropped
+
+
+def test_graft_chain_merges_into_the_tree_and_respects_the_cap():
+    t = DraftTree.rooted_at(4)
+    a = t.add(0, 9, -0.1, ngram_lp=-0.2)                  # the n-gram drafter's node
+    t.add(0, 7, -0.3)
+    path = graft_chain(t, [9, 10, 11], [-0.5, -1.0, -2.0], cap=5)
+    assert path[:2] == [0, a] and len(t) == 5             # 9 reused, 10 added, 11 over the cap
+    assert t.draft_lp[a] == -0.5 and t.draft_rank[a] == 0 and t.votes[a] == 1
+    assert t.token[path[2]] == 10 and t.depth[path[2]] == 2 and t.draft_lp[path[2]] == -1.0
+    assert np.isclose(t.score[path[2]], -1.5) and np.isnan(t.draft_lp[2])
 
 
 def test_pad_map_picks_the_fastest_block_at_least_as_big():

@@ -2,7 +2,8 @@
 estimates (acceptance.py) for one decoding regime.
 
 Each step builds the tree with a random schedule (each layer expanded by the strong drafter
-with probability CALL_PROB), so nodes of every provenance are seen; the target verifies every
+with probability CALL_PROB, and its greedy chain grafted from the root with probability
+CHAIN_PROB, as `treegraft` and `draft` do), so nodes of every provenance are seen; the target verifies every
 built node (up to MAX_LOGGED_NODES, best-scored first), and each node is labelled with its exact
 conditional acceptance probability: the target's processed probability of the node's token at
 its parent (for greedy decoding 1 if it is the argmax, else 0). The step then commits as
@@ -30,6 +31,7 @@ from .tree import DraftTree, prune
 from .verify import verify
 
 CALL_PROB = 0.3
+CHAIN_PROB = 0.5
 MAX_LOGGED_NODES = 48
 
 
@@ -47,6 +49,8 @@ def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_
                            if len(drafters) > 1 and rng.random() < CALL_PROB)
         build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
         build.expand(range(1, cfg.depth + 1), FixedSchedule(layers), drafters, cfg, history)
+        if len(drafters) > 1 and rng.random() < CHAIN_PROB:
+            build.graft_chain(drafters[-1], cfg.depth, cfg, history)
         tree = build.tree.subtree(prune(build.tree, MAX_LOGGED_NODES))
         logits = verify(family.target, session.cache, tree, len(tree))
         parent, token = np.asarray(tree.parent[1:]), np.asarray(tree.token[1:])

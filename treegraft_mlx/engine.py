@@ -6,17 +6,20 @@ streaming and statistics are shared (generate.stream). Strategies by name:
   ar                      the target alone
   chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
   ngram                   endpoint W: the n-gram drafter builds every layer
-  draft                   endpoint S: the strong drafter expands every layer
-  treegraft               the shared tree; the strong drafter expands layer 1 when the
-                          acceptance estimates price its call above its cost (CallPricer)
-  treegraft-learned       the family's learned scheduler decides each layer (its sampling-
-                          calibrated one when sampling, if the bundle has one)
+  draft                   endpoint S: the strong drafter's greedy chain, as long as the
+                          measured call policy chooses (CallPolicy), 0 being an AR step
+  treegraft               the shared tree: the n-gram tree with the strong drafter's chain
+                          grafted in from the root, its length chosen per bucket of the
+                          n-gram plan by the measured call policy (CallPolicy)
+  treegraft-learned       the paper's schedule: the family's learned scheduler decides which
+                          layers the strong drafter expands with a tree-mask call (its
+                          sampling-calibrated one when sampling, if the bundle has one)
   treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
 
 Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree
 its drafts are worth on this device, the root alone being a pipelined AR step. With
 `TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
-What the sizing and the pricer learn while running (the worth of drafting, of a call) follows
+What the sizing and the call policy learn while running (the worth of drafting, of a call) follows
 measured drafting times, so a seeded sampled run can differ between runs (never in its
 distribution); a fixed budget repeats exactly.
 
@@ -37,28 +40,25 @@ import mlx.core as mx
 import numpy as np
 
 from . import device
-from .acceptance import AcceptanceModel
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream
 from .history import History, host_top_logprobs
 from .sampling import SamplerSettings, sample_token
+from .pricing import CallPolicy, Sizer
 from .session import Session
 from .scheduler import FixedSchedule, LayerState, LearnedSchedule, Schedule, parse_layers
 from .timing import (LATENCY_CONTEXT, StepCosts, Timing, cached, step_costs_key, timing_key,
                      verification_latency)
-from .tree import DraftTree, Plan, build_cap, plan_verification, prune
+from .tree import DraftTree, Plan, build_cap, graft_chain, prune
 from .verify import Acceptance, accept, verify
 
 DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
 MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
-RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
-DRAFT_EXPLORE_EVERY = 4    # while drafting does not pay, still draft one step in this many
-# Where `treegraft` may call the strong drafter: layer 1 (the learned scheduler's budget b0
-# is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls). With per-step sizing
-# the call is priced (CallPricer); with a fixed budget the learned scheduler decides, or,
-# without one, the call is made on every step.
-DEFAULT_COMBINE_LAYERS = frozenset({1})
+# Where `treegraft-learned` may call the strong drafter: layer 1 (the learned scheduler's
+# budget b0 is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls); without
+# a scheduler, the call is made on every step.
+LEARNED_LAYERS = frozenset({1})
 
 
 @dataclass
@@ -83,11 +83,14 @@ class Strategy:
     chain_k: int = DEFAULT_CHAIN_K
     learned: bool = False                       # the family's scheduler, if it has one
     priced: bool = False                        # call when the estimates say it pays
+    ngram: bool = True                          # the n-gram drafter builds the tree
+    strong_chain: bool = False                  # graft S's greedy chain from the root
 
     @property
     def needs_strong(self) -> bool:
         return self.kind == "chain" or (self.kind == "tree" and
-                                        (bool(self.combine_layers) or self.learned))
+                                        (bool(self.combine_layers) or self.learned
+                                         or self.strong_chain))
 
 
 STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned",
@@ -105,11 +108,11 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     if name == "ngram":
         return Strategy(name, "tree")
     if name == "draft":
-        return Strategy(name, "tree", frozenset(range(1, depth + 1)))
+        return Strategy(name, "tree", ngram=False, strong_chain=True, priced=True)
     if name == "treegraft":
-        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS, learned=True, priced=True)
+        return Strategy(name, "tree", strong_chain=True, priced=True)
     if name == "treegraft-learned":
-        return Strategy(name, "tree", DEFAULT_COMBINE_LAYERS, learned=True)
+        return Strategy(name, "tree", LEARNED_LAYERS, learned=True)
     if name.startswith("treegraft-fixed:"):
         return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
@@ -139,14 +142,13 @@ class Decoder:
         self.sizer = (Sizer(family.acceptance, step_costs(family, session.tree), session.tree,
                             sampled=not settings.greedy)
                       if strategy.kind == "tree" and session.tree.adaptive else None)
-        self.pricer: Optional[CallPricer] = None
+        self.calls: Optional[CallPolicy] = None
         if self.sizer is not None and strategy.priced and schedule is None:
-            key = ("pricer", not settings.greedy, session.tree)
-            if key not in family.runtime_state:
-                t_mid = scheduler_timing(family, session.tree).t_mid_ms
-                family.runtime_state[key] = CallPricer(t_mid, sorted(strategy.combine_layers),
-                                                       calibrated_never(family, settings))
-            self.pricer = family.runtime_state[key]
+            # What each chain length measured keeps learning across generations, per regime,
+            # tree shape and strategy (with or without the n-gram tree).
+            key = ("calls", not settings.greedy, session.tree, strategy.ngram)
+            family.runtime_state.setdefault(key, CallPolicy(session.tree.depth))
+            self.calls = family.runtime_state[key]
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
@@ -188,14 +190,14 @@ class Decoder:
 
     def _build(self, root: int, history: History) -> "TreeBuild":
         cfg = self.session.tree
-        tree = DraftTree.rooted_at(root)
+        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
         if self.strategy.kind == "chain":
-            strong = self.drafters[-1]
-            for tok in strong.draft_chain(root, self.strategy.chain_k, history):
-                tree.add(len(tree) - 1, tok, 0.0)
-            return TreeBuild(tree, [], [], [strong.name] * self.strategy.chain_k)
-        build = TreeBuild(tree, [0], [], [])
-        build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
+            build.graft_chain(self.drafters[-1], self.strategy.chain_k, cfg, history)
+            return build
+        if self.strategy.ngram:
+            build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
+        if self.strategy.strong_chain:
+            build.graft_chain(self.drafters[-1], cfg.depth, cfg, history)
         return build
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
@@ -222,16 +224,21 @@ class Decoder:
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
             t0 = self.clock()
+            choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
+            # Whether to run the n-gram drafter (a priced build still asks the call policy).
             fresh = carried is None and self.sizer.worth_drafting()
             if carried is not None:
                 full, used, t_schedule = carried, [], 0.0
                 plan = self.sizer.plan(carried, history.committed)
+            elif self.calls is not None:
+                build, plan, choice = self._priced_build(
+                    root, history, ngram=fresh and self.strategy.ngram,
+                    in_flight=queued is not None)
+                full, used, t_schedule = build.tree, build.used, build.t_schedule
+                fresh = fresh and choice[1] == 0      # what the sizer learns n-gram costs from
             elif not fresh:
                 full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
                 plan = self.sizer.plan(full, history.committed)
-            elif self.pricer is not None:
-                build, plan = self._priced_build(root, history, in_flight=queued is not None)
-                full, used, t_schedule = build.tree, build.used, build.t_schedule
             else:
                 build = self._build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
@@ -245,12 +252,15 @@ class Decoder:
                 block, acc = self._verify(tree, rows, StepStats(
                     0, len(tree), len(full), used, t1 - t0, 0.0, 0.0, t_schedule, rows,
                     plan.expected))
+                if choice is not None:
+                    self.calls.observe(*choice, len(block), 1000 * (self.clock() - t0))
                 yield block
                 root = acc.bonus
                 continue
             if queued is None:
                 queued = forward(mx.array(root))
-            after = forward(queued.token) if len(plan.keep) == 1 else None
+            after = (forward(queued.token) if len(plan.keep) == 1 and not self._calls_next()
+                     else None)
             nxt = queued.read()
             t2 = self.clock()
             history.record(history.committed, *host_top_logprobs(queued.row()[None]))
@@ -259,39 +269,40 @@ class Decoder:
                 d.observe(history, 1)
             self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
                                         self.clock() - t2, t_schedule, 1, plan.expected))
+            if choice is not None:
+                self.calls.observe(*choice, 1, 1000 * (self.clock() - t0))
             yield [root]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _priced_build(self, root: int, history: History,
-                      in_flight: bool) -> tuple["TreeBuild", Plan]:
-        """The n-gram tree, and the tree with a strong-drafter call when the pricer expects
-        the call to pay; the one whose plan is worth more (both planned from drafter-side
-        evidence only). Every call teaches the pricer what it gained. No call while the
-        root's forward is `in_flight`: the drafter's forward would wait for it on the same
-        stream and leave the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
-        cfg, pricer, sizer = self.session.tree, self.pricer, self.sizer
-        cheap = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
-        cheap.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters[:1], cfg, history)
-        plan = sizer.plan(cheap.tree, history.committed)
+    def _calls_next(self) -> bool:
+        """Whether the next step will likely call the strong drafter: then its forward is not
+        queued ahead, since a call waits for a forward in flight on the same stream. Judged
+        for an empty n-gram tree (`draft` never has another)."""
+        return self.calls is not None and self.calls.peek(0) > 0
+
+    def _priced_build(self, root: int, history: History, ngram: bool,
+                      in_flight: bool) -> tuple["TreeBuild", Plan, tuple[int, int]]:
+        """The n-gram tree, and the strong drafter's chain grafted into it as long as the
+        call policy chooses for the n-gram plan's bucket; planned by the Sizer; returned with
+        (bucket, chain length) for the policy to learn from. No call while the root's forward
+        is `in_flight`: the drafter's forward would wait for it on the same stream and leave
+        the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
+        cfg, sizer = self.session.tree, self.sizer
+        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        if ngram:
+            build.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters[:1], cfg, history)
+        plan = sizer.plan(build.tree, history.committed)
         t0 = self.clock()
-        bucket = pricer.bucket(plan.expected)
-        call = not in_flight and pricer.should_call(bucket, sizer.rate)
-        cheap.t_schedule = self.clock() - t0       # the pricer's own work
-        if not call:
-            return cheap, plan
-        t1 = self.clock()
-        called = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
-        called.expand(range(1, cfg.depth + 1), FixedSchedule(pricer.layers), self.drafters, cfg,
-                      history)
-        call_ms = 1000 * (self.clock() - t1)
-        t1 = self.clock()
-        plan_called = sizer.plan(called.tree, history.committed)
-        gain = sizer.value(plan_called) - sizer.value(plan)
-        pricer.observe(bucket, gain, call_ms)
-        called.t_schedule = cheap.t_schedule + self.clock() - t1
-        return (called, plan_called) if gain > 0 else (cheap, plan)
+        bucket = self.calls.bucket(plan.expected)
+        k = self.calls.choose(bucket)
+        k = 0 if in_flight else k
+        build.t_schedule = self.clock() - t0       # the policy's own work
+        if k:
+            build.graft_chain(self.drafters[-1], k, cfg, history)
+            plan = sizer.plan(build.tree, history.committed)
+        return build, plan, (bucket, k)
 
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
         """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`."""
@@ -343,101 +354,6 @@ class ArForward:
         return Queued(nxt, logits)
 
 
-class Sizer:
-    """Chooses what each step verifies (docs/design.md §7): acceptance estimates for the
-    built tree, path probabilities, and the subtree that maximises expected tokens minus the step's
-    measured cost priced at the long-run rate (an EMA of the planned tokens per ms)."""
-
-    def __init__(self, acceptance: AcceptanceModel, costs: StepCosts, cfg: TreeConfig,
-                 sampled: bool):
-        self.acceptance, self.costs, self.cfg, self.sampled = acceptance, costs, cfg, sampled
-        self.rate = 1.0 / (costs.ar_ms + costs.draft_ms)
-        # What drafting a step is worth (the plan's value over the root alone's) and costs
-        # (ms), as moving averages over the steps that drafted; None until one has.
-        self.draft_gain: Optional[float] = None
-        self.draft_ms = costs.draft_ms
-        self.skipped = 0
-
-    def plan(self, tree: DraftTree, context: int) -> Plan:
-        """The best subtree to verify after `context` committed tokens."""
-        if len(tree) == 1:                       # nothing drafted: an AR step
-            return Plan(np.zeros(1, dtype=np.int64), 1.0, self.costs.ar_ms)
-        accept = self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
-        return plan_verification(tree, accept, self.costs.step_ms(context), self.rate)
-
-    def value(self, plan: Plan) -> float:
-        """Expected tokens less the step's time priced at the long-run rate."""
-        return plan.expected - self.rate * plan.step_ms
-
-    def settle(self, plan: Plan, draft_ms: Optional[float] = None) -> None:
-        """The step goes ahead with `plan`: the long-run rate moves towards its rate; a step
-        that drafted (`draft_ms`) also teaches what drafting gains and costs."""
-        self.rate += RATE_EMA * (plan.expected / (plan.step_ms + self.costs.draft_ms) - self.rate)
-        if draft_ms is not None:
-            gain = self.value(plan) - (1.0 - self.rate * self.costs.ar_ms)
-            self.draft_gain = gain if self.draft_gain is None else (
-                self.draft_gain + RATE_EMA * (gain - self.draft_gain))
-            self.draft_ms += RATE_EMA * (draft_ms - self.draft_ms)
-
-    def worth_drafting(self) -> bool:
-        """Draft this step iff what drafting has gained (tokens, per step) exceeds its cost at
-        the long-run rate; when it does not, still every DRAFT_EXPLORE_EVERY-th step, so the
-        estimate follows the text (sampling rarely accepts n-gram drafts: most of its steps
-        are AR steps, and on a CPU that cannot overlap drafting with the forward, drafting
-        them would cost more than the few trees worth verifying gain)."""
-        if self.draft_gain is None or self.draft_gain > self.rate * self.draft_ms:
-            return True
-        self.skipped += 1
-        return self.skipped % DRAFT_EXPLORE_EVERY == 0
-
-
-def calibrated_never(family: Family, settings: SamplerSettings) -> bool:
-    """The bundle's calibration for this regime decided never to call the strong drafter
-    (its scheduler's budget b0 is 0)."""
-    learned = family.scheduler(not settings.greedy)
-    return learned is not None and learned[1].get("b0", 1) == 0
-
-
-class CallPricer:
-    """Prices a strong-drafter call in the size choice's currency (docs/design.md §9): what
-    the call adds to the best plan's value (expected tokens less time at the long-run rate) is learned
-    from the calls made, per bucket of the n-gram tree's expected tokens (the drafter helps
-    most where the n-gram drafter found little); the call is made iff that gain exceeds its
-    cost at the same rate: the measured time of the calls made (T_mid until there is one).
-    Buckets without evidence are tried, and every EXPLORE_EVERY-th skip in a bucket calls
-    anyway, so an estimate never goes stale. The estimates live on the family (per regime)
-    and keep learning across generations, so decisions depend on what ran before in the
-    process (never on the target's logits: output stays exact)."""
-
-    EDGES = (1.1, 1.4, 1.8, 2.5)       # bucket bounds on the n-gram plan's expected tokens
-    TRIES = 2                          # calls per bucket before its estimate is trusted
-    EXPLORE_EVERY = 16
-    EMA = 0.2
-
-    def __init__(self, t_mid_ms: float, layers: Sequence[int], never: bool = False):
-        """`never`: the calibration found no call worth making; every bucket starts from
-        that (a trusted zero gain), so calls are only the exploring ones."""
-        self.call_ms, self.layers = t_mid_ms, frozenset(layers)
-        n = len(self.EDGES) + 1
-        self.gain, self.skips = [0.0] * n, [0] * n
-        self.calls = [self.TRIES if never else 0] * n
-
-    def bucket(self, expected: float) -> int:
-        return int(np.searchsorted(self.EDGES, expected, side="right"))
-
-    def should_call(self, bucket: int, rate: float) -> bool:
-        if self.calls[bucket] < self.TRIES or self.gain[bucket] > rate * self.call_ms:
-            return True
-        self.skips[bucket] += 1
-        return self.skips[bucket] % self.EXPLORE_EVERY == 0
-
-    def observe(self, bucket: int, gain: float, call_ms: float) -> None:
-        self.calls[bucket] += 1
-        w = 1.0 / self.calls[bucket] if self.calls[bucket] <= self.TRIES else self.EMA
-        self.gain[bucket] += w * (gain - self.gain[bucket])
-        self.call_ms += self.EMA * (call_ms - self.call_ms)
-
-
 @dataclass
 class TreeBuild:
     """A tree being built layer by layer, and who expanded which layer so far."""
@@ -484,6 +400,13 @@ class TreeBuild:
             self.called.append(todo[k])
             self.grow(drafters[-1], todo[k], history)
             todo = todo[k + 1:]
+
+    def graft_chain(self, strong, k: int, cfg: TreeConfig, history: History) -> None:
+        """The strong drafter drafts k tokens after the root, one row per forward (cheap where
+        a tree-mask call over many nodes is not), grafted into the tree built so far."""
+        tokens, logps = strong.draft_chain(self.tree.token[0], k, history)
+        graft_chain(self.tree, tokens, logps, build_cap(cfg.top_k, max(k, cfg.depth)))
+        self.used.append(strong.name)
 
     def state(self, layer: int, cfg: TreeConfig, history: History) -> LayerState:
         return LayerState(layer, cfg.depth, history.committed, self.called, self.tree,
@@ -704,11 +627,12 @@ def scheduler_timing(family: Family, tree: TreeConfig) -> Timing:
 
 
 def measure_timing(family: Family, tree: TreeConfig) -> Timing:
-    """Warm-up with the strong drafter forced on every layer (the `draft` endpoint), each step
+    """Warm-up with the strong drafter forced on every layer (the paper's all-S tree), each step
     verifying the tree pruned to the budget, as the scheduler's features were labelled."""
     fixed = dataclasses.replace(tree, adaptive=False)
-    generate(family, PROBE_PROMPT, "draft", max_tokens=8, tree=fixed)  # first-call costs
-    res = generate(family, PROBE_PROMPT, "draft", max_tokens=PROBE_TOKENS, tree=fixed)
+    every_layer = "treegraft-fixed:" + ",".join(str(i) for i in range(1, tree.depth + 1))
+    generate(family, PROBE_PROMPT, every_layer, max_tokens=8, tree=fixed)  # first-call costs
+    res = generate(family, PROBE_PROMPT, every_layer, max_tokens=PROBE_TOKENS, tree=fixed)
     steps = res.step_stats
     calls = max(1, res.drafter_calls)
     return Timing(t_tgt_ms=1000 * sum(s.t_verify for s in steps) / len(steps),

@@ -59,8 +59,8 @@ class Family:
     sampled_scheduler_dir: Optional[Path] = None   # one calibrated with sampling, if any
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel.default)
     _schedulers: dict = field(default_factory=dict, repr=False)
-    # What the runtime learns about this family on this device while it runs (the strong
-    # drafter's priced gain, engine.CallPricer), per regime and tree shape.
+    # What the runtime learns about this family on this device while it runs (the tokens
+    # per ms of each strong-drafter chain length, pricing.CallPolicy), per regime and tree.
     runtime_state: dict = field(default_factory=dict, repr=False)
     # Where decoding reads the time its decisions learn from (drafting and call costs): the
     # wall clock; tests script it so that what the sizer decides never depends on load.

@@ -111,11 +111,16 @@ def top_logprobs(logits: mx.array, k: int = TOP_LOGPROBS) -> tuple[np.ndarray, n
     return np.array(ids), np.array(mx.take_along_axis(lp, ids, -1))
 
 
+def host_logsumexp(x: np.ndarray) -> np.ndarray:
+    """log(sum(exp(x))) over the last axis, in numpy (MLX's CPU `exp` is scalar)."""
+    m = x.max(-1)
+    return m + np.log(np.exp(x - m[..., None]).sum(-1))
+
+
 def host_top_logprobs(rows: np.ndarray, k: int = TOP_LOGPROBS) -> tuple[np.ndarray, np.ndarray]:
     """`top_logprobs` of a few rows already on the host (an accepted path): a partition and one
     exp pass per row in numpy, instead of another device evaluation."""
     x = np.asarray(rows, dtype=np.float32)
-    m = x.max(-1, keepdims=True)
-    lse = m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+    lse = host_logsumexp(x)[..., None]
     ids = np.argpartition(-x, k - 1, axis=-1)[..., :k]
     return ids, np.take_along_axis(x, ids, -1) - lse

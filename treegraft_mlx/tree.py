@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -170,6 +170,23 @@ class DraftTree:
         base = t.depth[0]
         t.depth = [d - base for d in t.depth]
         return t
+
+
+def graft_chain(tree: DraftTree, tokens: Sequence[int], logps: Sequence[float],
+                cap: int) -> list[int]:
+    """Graft the strong drafter's chain (its greedy tokens after the root, with its log-prob
+    of each) into `tree` from the root down: a token some drafter already proposed at that
+    place is the same node and gains S's evidence, a new one is added while the tree has room
+    (`cap` nodes). Returns the chain's nodes, root first."""
+    path, score = [0], tree.score[0]
+    for tok, lp in zip(tokens, logps):
+        if len(tree) >= cap and tree.child(path[-1], int(tok)) < 0:
+            break
+        score += float(lp)
+        node = tree.add(path[-1], int(tok), score)
+        tree.draft_lp[node], tree.draft_rank[node] = float(lp), 0
+        path.append(node)
+    return path
 
 
 def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,

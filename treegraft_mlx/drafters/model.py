@@ -13,7 +13,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..history import History
+from ..history import History, host_logsumexp
 from ..tree import NAN, DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
 
 
@@ -145,18 +145,29 @@ class ModelDrafter:
         grafted.sort(key=lambda i: (-tree.score[i], i))
         return grafted if layer == 1 else grafted[:self.top_k]
 
-    def draft_chain(self, root: int, k: int, history: History) -> list[int]:
-        """Classic speculative decoding: k greedy tokens after the root, one forward each."""
+    def draft_chain(self, root: int, k: int, history: History) -> tuple[list[int], list[float]]:
+        """k greedy tokens after the root and S's log-prob of each: one forward per token,
+        all queued on the device before the one readback at the end (each argmax feeds the
+        next forward lazily, as `mlx_lm`'s speculative decoding does); the log-probs are
+        taken on the host (MLX's CPU `exp` is scalar). The chain's rows never outlive the
+        call in S's cache; the accepted ones sync with the next call's prefix."""
+        self.observe(history, 0)            # a layer call's tree rows, if any, are stale
         committed = history.committed
-        prefix = history.tokens[self.cache.offset:committed] + [root]
-        out: list[int] = []
+        block = mx.array([history.tokens[self.cache.offset:committed] + [root]])
+        tokens, rows = [], []
         for _ in range(k):
-            logits = self.model(mx.array([prefix]), cache=self.cache,
-                                logits_rows=mx.array([len(prefix) - 1]))
+            logits = self.model(block, cache=self.cache,
+                                logits_rows=mx.array([block.shape[1] - 1]))[0, 0]
             self.cache.commit()
-            tok = int(mx.argmax(logits[0, -1]).item())
-            out.append(tok)
-            prefix = [tok]
+            tok = mx.argmax(logits)
+            tokens.append(tok)
+            rows.append(logits)
+            block = tok.reshape(1, 1)
+            mx.async_eval(block)
+        out, rows = mx.stack(tokens), mx.stack(rows).astype(mx.float32)
+        mx.eval(out, rows)
         self.cache.reset(committed)
         self.calls += k
-        return out
+        ids = np.array(out)
+        rows = np.array(rows)
+        return ids.tolist(), (rows[np.arange(k), ids] - host_logsumexp(rows)).tolist()

@@ -1,0 +1,127 @@
+"""What a step is worth and what it costs: the per-step size choice (Sizer, expected tokens
+less the step's time at the long-run tokens per ms) and the length of the strong drafter's
+chain (CallPolicy, measured committed tokens per ms of each length)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .acceptance import AcceptanceModel
+from .family import TreeConfig
+from .timing import StepCosts
+from .tree import DraftTree, Plan, plan_verification
+
+RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
+DRAFT_EXPLORE_EVERY = 4    # while drafting does not pay, still draft one step in this many
+
+
+class Sizer:
+    """Chooses what each step verifies (docs/design.md §7): acceptance estimates for the
+    built tree, path probabilities, and the subtree that maximises expected tokens minus the step's
+    measured cost priced at the long-run rate (an EMA of the planned tokens per ms)."""
+
+    def __init__(self, acceptance: AcceptanceModel, costs: StepCosts, cfg: TreeConfig,
+                 sampled: bool):
+        self.acceptance, self.costs, self.cfg, self.sampled = acceptance, costs, cfg, sampled
+        self.rate = 1.0 / (costs.ar_ms + costs.draft_ms)
+        # What drafting a step is worth (the plan's value over the root alone's) and costs
+        # (ms), as moving averages over the steps that drafted; None until one has.
+        self.draft_gain: Optional[float] = None
+        self.draft_ms = costs.draft_ms
+        self.skipped = 0
+
+    def plan(self, tree: DraftTree, context: int) -> Plan:
+        """The best subtree to verify after `context` committed tokens."""
+        if len(tree) == 1:                       # nothing drafted: an AR step
+            return Plan(np.zeros(1, dtype=np.int64), 1.0, self.costs.ar_ms)
+        accept = self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
+        return plan_verification(tree, accept, self.costs.step_ms(context), self.rate)
+
+    def value(self, plan: Plan) -> float:
+        """Expected tokens less the step's time priced at the long-run rate."""
+        return plan.expected - self.rate * plan.step_ms
+
+    def settle(self, plan: Plan, draft_ms: Optional[float] = None) -> None:
+        """The step goes ahead with `plan`: the long-run rate moves towards its rate; a step
+        that drafted (`draft_ms`) also teaches what drafting gains and costs."""
+        self.rate += RATE_EMA * (plan.expected / (plan.step_ms + self.costs.draft_ms) - self.rate)
+        if draft_ms is not None:
+            gain = self.value(plan) - (1.0 - self.rate * self.costs.ar_ms)
+            self.draft_gain = gain if self.draft_gain is None else (
+                self.draft_gain + RATE_EMA * (gain - self.draft_gain))
+            self.draft_ms += RATE_EMA * (draft_ms - self.draft_ms)
+
+    def worth_drafting(self) -> bool:
+        """Draft this step iff what drafting has gained (tokens, per step) exceeds its cost at
+        the long-run rate; when it does not, still every DRAFT_EXPLORE_EVERY-th step, so the
+        estimate follows the text (sampling rarely accepts n-gram drafts: most of its steps
+        are AR steps, and on a CPU that cannot overlap drafting with the forward, drafting
+        them would cost more than the few trees worth verifying gain)."""
+        if self.draft_gain is None or self.draft_gain > self.rate * self.draft_ms:
+            return True
+        self.skipped += 1
+        return self.skipped % DRAFT_EXPLORE_EVERY == 0
+
+
+class CallPolicy:
+    """How many drafts a strong-drafter call chains from the root, 0 being no call, chosen by
+    measurement (docs/design.md §9): per bucket of the n-gram plan's expected tokens (the
+    drafter helps most where the n-gram drafter found little), the committed tokens per ms
+    of the steps that made each choice, as slow moving averages of tokens and of wall time.
+    Throughput is unimodal in the chain length, so the search is local: no call and a chain
+    of 1 are tried TRIES times first; then the best length tried is taken, and every
+    EXPLORE_EVERY-th step of a bucket tries a neighbour (one shorter, one longer, in turn),
+    so longer chains are reached when they pay and no estimate goes stale. Measured, not
+    modelled: on a CPU a drafter forward costs a quarter of a target step and each row more
+    a tenth, so chains of 1-2 pay at best; on a flat verification curve longer ones do. The
+    estimates live on the family (per regime) and keep learning across generations: choices
+    depend on what ran before, never on the current step's target logits (output stays
+    exact)."""
+
+    EDGES = (1.1, 1.4, 1.8, 2.5)       # bucket bounds on the n-gram plan's expected tokens
+    TRIES = 4
+    EXPLORE_EVERY = 6
+    EMA = 0.05
+
+    def __init__(self, max_k: int):
+        shape = (len(self.EDGES) + 1, max_k + 1)
+        self.tokens, self.ms = np.zeros(shape), np.zeros(shape)
+        self.tries = np.zeros(shape, dtype=np.int64)
+        self.steps = np.zeros(shape[0], dtype=np.int64)
+
+    def bucket(self, expected: float) -> int:
+        return int(np.searchsorted(self.EDGES, expected, side="right"))
+
+    def rate(self, bucket: int) -> np.ndarray:
+        """Measured committed tokens per ms of each choice in `bucket` (0 where untried)."""
+        return np.divide(self.tokens[bucket], self.ms[bucket],
+                         out=np.zeros(self.ms.shape[1]), where=self.ms[bucket] > 0)
+
+    def peek(self, bucket: int) -> int:
+        """What `choose` will answer next in `bucket`, without counting a step."""
+        tries = self.tries[bucket]
+        for k in (0, 1):
+            if tries[k] < self.TRIES:
+                return k
+        rate = np.where(tries > 0, self.rate(bucket), -1.0)
+        best = int(np.argmax(rate))
+        step = self.steps[bucket] + 1
+        if step % self.EXPLORE_EVERY:
+            return best
+        near = [k for k in (best - 1, best + 1) if 0 <= k < len(tries)]
+        return near[(step // self.EXPLORE_EVERY) % len(near)]
+
+    def choose(self, bucket: int) -> int:
+        k = self.peek(bucket)
+        self.steps[bucket] += 1
+        return k
+
+    def observe(self, bucket: int, k: int, tokens: int, ms: float) -> None:
+        """A step in `bucket` that chained `k` drafts committed `tokens` in `ms` (its wall
+        time: drafting, verification, acceptance)."""
+        self.tries[bucket, k] += 1
+        w = max(self.EMA, 1.0 / self.tries[bucket, k])
+        self.tokens[bucket, k] += w * (tokens - self.tokens[bucket, k])
+        self.ms[bucket, k] += w * (ms - self.ms[bucket, k])
