@@ -16,6 +16,14 @@ The held-out modules are those listed in the fixture family's split.json, so no 
 seen in training. Deterministic: same interpreter, same suite.
 
     python examples/make_prompt_suite.py --out benchmarks/prompts/public.jsonl
+
+A second suite, for checking that nothing was tuned to the first: the same four categories
+from the held-out modules of the packages in split.json (never the stdlib ones), read from
+their source distributions unpacked in one directory (`pip download --no-deps --no-binary
+:all: <name>==<version>` for each, then untar). No calibration file is written for it.
+
+    python examples/make_prompt_suite.py --packages /tmp/sdists --per-category 8 \
+        --out benchmarks/prompts/packages.jsonl
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import random
 import sysconfig
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 SPLIT = Path(__file__).resolve().parents[1] / "treegraft_mlx/fixtures/tg-tiny/split.json"
 PER_CATEGORY = 24
@@ -35,8 +44,17 @@ CALIBRATION_LONG = 6
 LONG_CONTEXT_CHARS = 2400  # ~700 tokens: prompt + 256 new tokens stay inside the trained 1024
 
 
-def module_path(module: str) -> Path:
-    return Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split(".")).with_suffix(".py")
+def module_path(module: str, packages: Optional[Path] = None) -> Path:
+    """A stdlib module by dotted name, or a package's file ("<name>/<path>" in split.json)
+    inside its unpacked sdist "<name>-<version>" under `packages`."""
+    if packages is None:
+        return Path(sysconfig.get_paths()["stdlib"]).joinpath(*module.split(".")).with_suffix(".py")
+    name, rest = module.split("/", 1)
+    key = name.replace("-", "_").lower()
+    for unpacked in packages.iterdir():
+        if unpacked.is_dir() and unpacked.name.rsplit("-", 1)[0].replace("-", "_").lower() == key:
+            return unpacked / rest
+    raise FileNotFoundError(f"no unpacked sdist of {name} under {packages}")
 
 
 def functions_with_docstrings(source: str):
@@ -51,12 +69,13 @@ def functions_with_docstrings(source: str):
             yield node, lines, body_start
 
 
-def build(modules: list[str]) -> list[dict]:
+def build(modules: list[str], packages: Optional[Path] = None,
+          per_category: int = PER_CATEGORY) -> tuple[list[dict], list[dict]]:
     rng = random.Random(0)
     funcs, prefixes, windows = [], [], []
     for module in modules:
         try:
-            source = module_path(module).read_text(encoding="utf-8")
+            source = module_path(module, packages).read_text(encoding="utf-8")
             found = list(functions_with_docstrings(source))
         except (OSError, SyntaxError, UnicodeDecodeError):
             continue
@@ -84,12 +103,12 @@ def build(modules: list[str]) -> list[dict]:
 
     pool = iter(funcs)
     for module, node, lines, first in pool:
-        if sum(p["category"] == "function_completion" for p in prompts) >= PER_CATEGORY:
+        if sum(p["category"] == "function_completion" for p in prompts) >= per_category:
             break
         add("function_completion", dedented(lines, node.lineno, first.end_lineno),
             f"{module}:{node.name}")
     for module, node, lines, first in pool:
-        if sum(p["category"] == "copy_edit" for p in prompts) >= PER_CATEGORY:
+        if sum(p["category"] == "copy_edit" for p in prompts) >= per_category:
             break
         body = dedented(lines, node.lineno, node.end_lineno)
         if len(body) > 2000:
@@ -99,13 +118,13 @@ def build(modules: list[str]) -> list[dict]:
                   "comments:\n" + (header or body.splitlines(keepends=True)[0]))
         add("copy_edit", prompt, f"{module}:{node.name}")
     for module, node, lines, first in pool:
-        if sum(p["category"] == "docstring_to_code" for p in prompts) >= PER_CATEGORY:
+        if sum(p["category"] == "docstring_to_code" for p in prompts) >= per_category:
             break
         doc = ast.get_docstring(node).strip().splitlines()
         comment = "".join(f"# {line}".rstrip() + "\n" for line in doc[:8])
         args = ", ".join(a.arg for a in node.args.args)
         add("docstring_to_code", f"{comment}def {node.name}({args}):\n", f"{module}:{node.name}")
-    for module, prefix in prefixes[:PER_CATEGORY]:
+    for module, prefix in prefixes[:per_category]:
         add("long_context", prefix, module)
     # Calibration prompts (tree budget, scheduler) come from functions the suite never uses.
     calibration = []
@@ -137,15 +156,22 @@ def build(modules: list[str]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/prompts/public.jsonl"))
+    ap.add_argument("--packages", type=Path, help="unpacked sdists: build the packages suite")
+    ap.add_argument("--per-category", type=int, default=PER_CATEGORY)
     args = ap.parse_args()
     split = json.loads(SPLIT.read_text())
-    prompts, calibration = build(sorted(split["heldout"]))
+    held = sorted(m for m in split["heldout"] if ("/" in m) == (args.packages is not None))
+    prompts, calibration = build(held, args.packages, args.per_category)
+    outputs = [(args.out, prompts)]
+    if args.packages is None:
+        outputs.append((args.out.with_name("calibration.jsonl"), calibration))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for path, rows in ((args.out, prompts), (args.out.with_name("calibration.jsonl"), calibration)):
+    for path, rows in outputs:
         with path.open("w") as f:
             for p in rows:
                 f.write(json.dumps(p) + "\n")
-    print(f"{len(calibration)} calibration prompts -> {args.out.with_name('calibration.jsonl')}")
+    if args.packages is None:
+        print(f"{len(calibration)} calibration prompts -> {args.out.with_name('calibration.jsonl')}")
     counts = {}
     for p in prompts:
         counts[p["category"]] = counts.get(p["category"], 0) + 1

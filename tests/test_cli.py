@@ -225,8 +225,8 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     family = load(bundle)
     for temp, artifact in ((0.0, "scheduler"), (0.7, "scheduler-sampled")):
         holder = []
-        list(stream_generate(family, "def f(x):\n", max_tokens=4, temp=temp, seed=0,
-                             decoder_out=holder))
+        list(stream_generate(family, "def f(x):\n", "treegraft-learned", max_tokens=4,
+                             temp=temp, seed=0, decoder_out=holder))
         assert holder[0].schedule.mlp is family.scheduler(temp > 0)[0]
         assert family.scheduler(temp > 0)[1]["sampling"]["temp"] == temp
     r = run("export-coreml", "--model", str(bundle), "--sampled", "--out",

@@ -297,6 +297,56 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
         assert out.token_ids == generate(family, prompt, "ngram", **kw).token_ids
 
 
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, monkeypatch,
+                                                                        temp):
+    """A fallback that finds AR faster decodes stretches exactly as `ar` does, between tree
+    steps: greedy output equals `ar`'s, a seeded sampled run repeats, and every committed
+    position still reads the target's top log-probs of a plain forward (deferred rows, one
+    per stretch step, at the right positions)."""
+    from treegraft_mlx.history import top_logprobs
+    from treegraft_mlx.pricing import Fallback
+
+    fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
+    monkeypatch.setitem(family.runtime_state, ("fallback", temp > 0, family.tree, "ngram"),
+                        fallback)
+    session = Session(family, family.tree)
+    prompt = suite_prompts(1)[1]["prompt"]
+    kw = dict(max_tokens=72, temp=temp, seed=5)
+    out = generate(family, prompt, "ngram", session=session, **kw)
+    assert fallback.ar_stretches >= 2 and fallback.tree_steps >= 2 * Fallback.PROBE
+    if temp == 0:
+        assert out.token_ids == generate(family, prompt, "ar", max_tokens=72).token_ids
+    history = session.history
+    n = history.committed
+    _, want = top_logprobs(family.target(mx.array([history.tokens[:n]]))[0])
+    want = np.take_along_axis(want, np.argsort(-want, axis=-1, kind="stable"), -1)
+    assert np.abs(history.top(n)[1] - want).max() < 1e-3
+    if temp > 0:
+        again = Fallback(ar_ms=1e-6)
+        monkeypatch.setitem(family.runtime_state, ("fallback", True, family.tree, "ngram"),
+                            again)
+        assert generate(family, prompt, "ngram", **kw).token_ids == out.token_ids
+
+
+def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
+    from treegraft_mlx.pricing import Fallback
+
+    fallback = Fallback(ar_ms=20.0)
+    taken = []
+    for _ in range(3 * Fallback.PROBE):                  # tree steps at 0.8 tokens per AR step
+        taken.append(fallback.next_stretch())
+        if not taken[-1]:
+            fallback.observe_tree(1, 25.0)
+    assert taken[:Fallback.PROBE] == [0] * Fallback.PROBE
+    stretches = [n for n in taken if n]
+    assert stretches == [Fallback.FIRST_STRETCH, 2 * Fallback.FIRST_STRETCH]   # doubling
+    fallback.observe_ar(16, 16 * 30.0)                   # measured: AR slower than thought
+    for _ in range(Fallback.PROBE):
+        fallback.observe_tree(1, 25.0)
+    assert fallback.next_stretch() == 0 and fallback.stretch == Fallback.FIRST_STRETCH
+
+
 def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours():
     from treegraft_mlx.pricing import CallPolicy
 

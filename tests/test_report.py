@@ -42,6 +42,23 @@ def test_decision_share_row_only_for_strategies_that_decide():
     assert "scheduler decisions" not in R.strategy_table(fake_report(), "greedy")
 
 
+def test_steps_inside_loops_and_outside_are_split_by_their_first_token():
+    from treegraft_mlx.bench import loop_split
+
+    tokens = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 9]       # 4-grams repeat at positions 8 and 9
+    assert loop_split(tokens, [1] * 11) == (2, 2)
+    assert loop_split(tokens, [4, 1, 4, 2]) == (1, 2)  # the step at 9 commits 9 and 10
+    assert loop_split(tokens, [5, 5, 3]) == (0, 0)     # steps start at 0, 5, 10: none repeats
+    assert loop_split(tokens, [8, 6]) == (1, 3)        # the last block is cut at max_tokens
+    runs = [Run("a", "copy", "ar", 0, 100, 100, 1.0, 40.0, [1]),
+            Run("a", "copy", "ngram", 0, 100, 40, 2.5, 50.0, [1], loop_steps=10, loop_tokens=40)]
+    report = fake_report()
+    report["summary"] = summarize(runs)
+    ngram = report["summary"]["strategies"]["ngram"]["all"]
+    assert ngram["mean_accepted_loop"] == 4.0 and ngram["mean_accepted_other"] == 2.0
+    assert "| - / 1.00 (0%) | 4.00 / 2.00 (25%) |" in R.strategy_table(report, "greedy")
+
+
 def test_readme_block_is_replaced_and_markers_are_required(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{R.RESULTS_BEGIN}\nold numbers\n{R.RESULTS_END}\noutro\n")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from schedulers import threshold_mlp
+from scripted import deterministic
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import timing as T
@@ -289,7 +290,7 @@ def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):
     assert len(measured) == 2                               # cached per model pair and device
 
 
-def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):
+def test_value_offset_candidates_and_end_to_end_choice():
     """Offsets: 0, dataset call-rate quantiles, and 'never'; a shifted MLP calls iff the value
     exceeds the offset; the tuner measures every candidate and keeps the fastest."""
     mlp = threshold_mlp("frontier_mean_depth", 1.5)
@@ -304,6 +305,7 @@ def test_value_offset_candidates_and_end_to_end_choice(family, monkeypatch):
     assert not (np.array(C.shifted(mlp, offsets[-1]).value(mx.array(x))) > 0).any()
 
     prompts = read_prompts(CALIBRATION)[:1]
+    family = deterministic(load(fixture_path()))   # sizing and stretches never follow load
     best, table = C.tune_offset(family, prompts, mlp, T.Timing(30.0, 5.0), 5,
                                 [0.0, offsets[-1]], max_tokens=12, repeats=2)
     by_offset = {row["offset"]: row for row in table}

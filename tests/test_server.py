@@ -9,6 +9,7 @@ import threading
 from typing import Iterator, Optional
 
 import pytest
+from scripted import deterministic
 from click.testing import CliRunner
 
 from treegraft_mlx import fixture_path, generate, load
@@ -24,7 +25,7 @@ LIMIT = 64                            # the test server's max_tokens_limit
 
 @pytest.fixture(scope="module")
 def family():
-    return load(fixture_path())
+    return deterministic(load(fixture_path()))   # step counts repeat: no load-driven choices
 
 
 @pytest.fixture(scope="module")

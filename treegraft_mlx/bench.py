@@ -47,6 +47,8 @@ class Run:
     t_schedule: float = 0.0
     rows: int = 0                  # rows the target's forwards verified (after prefill)
     per_k: Optional[dict] = None   # mlx_lm_spec: {num_draft_tokens: [tokens, tokens/s]}
+    loop_steps: int = 0            # steps whose first token continues a loop (loop_split)
+    loop_tokens: int = 0           # the tokens those steps committed
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -80,6 +82,23 @@ def loop_share(tokens: list[int], n: int = 4) -> float:
         repeated += gram in seen
         seen.add(gram)
     return repeated / total if total else 0.0
+
+
+def loop_split(tokens: list[int], blocks: list[int], n: int = 4) -> tuple[int, int]:
+    """(steps, tokens) of the steps inside a loop: those whose first committed token ends an
+    n-gram that already occurred (as `loop_share` counts them). `blocks`: tokens committed
+    per step; the last may run past `tokens` (cut at max_tokens)."""
+    seen, steps, inside, block_at, start = set(), 0, 0, {}, 0
+    for size in blocks:                 # position of each step's first token -> its size
+        block_at[start], start = size, start + size
+    for i in range(len(tokens)):
+        gram = tuple(tokens[i - n + 1:i + 1]) if i >= n - 1 else None
+        if i in block_at and gram in seen:
+            steps += 1
+            inside += min(block_at[i], len(tokens) - i)
+        if gram is not None:
+            seen.add(gram)
+    return steps, inside
 
 
 def _mlx_lm_runner(family: Family, temp: float, top_p: float):
@@ -147,11 +166,12 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
         res = generate(family, p["prompt"], name, max_tokens=max_tokens, temp=temp, top_p=top_p,
                        seed=seed, tree=SHAPES[shape](tree or family.tree))
         st = res.step_stats
+        loops = loop_split(res.token_ids, [x.accepted + 1 for x in st])
         return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
                    res.mean_accepted, res.tokens_per_sec, res.token_ids,
                    sum(x.t_draft for x in st), sum(x.t_verify for x in st),
                    sum(x.t_accept for x in st), sum(x.t_schedule for x in st),
-                   sum(x.rows for x in st))
+                   sum(x.rows for x in st), loop_steps=loops[0], loop_tokens=loops[1])
 
     for p in prompts[:warmup]:
         for s in strategies:
@@ -203,7 +223,8 @@ def summarize(runs: list[Run]) -> dict:
     per step, speedup over ar."""
     runs = [r for r in runs if r.strategy != "mlx_lm_spec"] + spec_runs(runs)
     agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "rows": 0, "draft": 0.0,
-                               "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0})
+                               "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0,
+                               "loop_steps": 0, "loop_tokens": 0})
     for r in runs:
         for cat in (r.category, "all"):
             a = agg[(r.strategy, cat)]
@@ -215,6 +236,8 @@ def summarize(runs: list[Run]) -> dict:
             a["verify"] += r.t_verify
             a["accept"] += r.t_accept
             a["schedule"] += r.t_schedule
+            a["loop_steps"] += r.loop_steps
+            a["loop_tokens"] += r.loop_tokens
             a["n"] += 1
     out: dict = defaultdict(dict)
     for (s, cat), a in agg.items():
@@ -226,6 +249,13 @@ def summarize(runs: list[Run]) -> dict:
                        "schedule_s": a["schedule"],
                        "schedule_share": a["schedule"] / a["time"] if a["time"] else 0.0,
                        "runs": a["n"]}
+        other_steps = a["steps"] - a["loop_steps"]
+        if a["steps"]:          # tokens per forward, steps inside a loop and outside one
+            out[s][cat]["mean_accepted_loop"] = (a["loop_tokens"] / a["loop_steps"]
+                                                 if a["loop_steps"] else None)
+            out[s][cat]["mean_accepted_other"] = ((a["tokens"] - a["loop_tokens"]) / other_steps
+                                                  if other_steps > 0 else None)
+            out[s][cat]["loop_step_share"] = a["loop_steps"] / a["steps"]
         if s == "mlx_lm_spec":
             out[s][cat]["num_draft_tokens"] = next(iter(runs_k(runs, s)))
     for s in out:

@@ -309,7 +309,7 @@ def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: 
         for o in (offsets if rep % 2 == 0 else offsets[::-1]):
             schedule = LearnedSchedule(shifted(mlp, o), timing.t_tgt_ms, timing.t_mid_ms, b0)
             for p in prompts:
-                r = generate(family, p["prompt"], "treegraft", max_tokens=max_tokens,
+                r = generate(family, p["prompt"], "treegraft-learned", max_tokens=max_tokens,
                              schedule=schedule, temp=settings.temp, top_p=settings.top_p,
                              top_k=settings.top_k, min_p=settings.min_p, seed=seed)
                 tokens[o] += r.generation_tokens

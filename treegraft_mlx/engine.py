@@ -44,7 +44,7 @@ from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream
 from .history import History, host_top_logprobs
 from .sampling import SamplerSettings, sample_token
-from .pricing import CallPolicy, Sizer
+from .pricing import CallPolicy, Fallback, Sizer
 from .session import Session
 from .scheduler import FixedSchedule, LayerState, LearnedSchedule, Schedule, parse_layers
 from .timing import (LATENCY_CONTEXT, StepCosts, Timing, cached, step_costs_key, timing_key,
@@ -149,6 +149,10 @@ class Decoder:
             key = ("calls", not settings.greedy, session.tree, strategy.ngram)
             family.runtime_state.setdefault(key, CallPolicy(session.tree.depth))
             self.calls = family.runtime_state[key]
+        if self.sizer is not None:
+            key = ("fallback", not settings.greedy, session.tree, strategy.name)
+            family.runtime_state.setdefault(key, Fallback(self.sizer.costs.ar_ms))
+            self.fallback: Fallback = family.runtime_state[key]
         self.stats: list[StepStats] = []
         self._calls_before = sum(getattr(d, "calls", 0) for d in self.drafters)
 
@@ -157,24 +161,20 @@ class Decoder:
         return sum(getattr(d, "calls", 0) for d in self.drafters) - self._calls_before
 
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
+        # The prompt rows' top log-probs stay deferred (History.defer) until a drafter reads
+        # them, a block at a time: the first token never waits for them.
         root = self.session.prefill(prompt_ids, self.settings, self.rng)
-        if self.strategy.kind == "ar":      # nothing reads the prompt's rows (History.defer)
-            yield []  # prefill done
+        yield []  # prefill done
+        if self.strategy.kind == "ar":
             yield from self._ar_steps(root)
-            return
-        # The drafters read them: computed with the prefill, so that the drafting time the
-        # sizer learns from is drafting alone.
-        self.session.history.top(self.session.history.committed)
-        yield []
-        if self.sizer is not None:
+        elif self.sizer is not None:
             yield from self._adaptive_steps(root)
         else:
             yield from self._tree_steps(root)
 
     def _forward(self) -> "ArForward":
         key = mx.random.key(int(self.rng.integers(2**31)))
-        return ArForward(self.target, self.session.cache, self.settings, key,
-                         with_row=self.sizer is not None)
+        return ArForward(self.target, self.session.cache, self.settings, key)
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
@@ -223,6 +223,10 @@ class Decoder:
         queued: Optional[Queued] = None        # the forward of `root`, in flight
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
+            if carried is None and (n := self.fallback.next_stretch()):
+                root = yield from self._ar_stretch(root, forward, queued, n)
+                queued = None
+                continue
             t0 = self.clock()
             choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
             # Whether to run the n-gram drafter (a priced build still asks the call policy).
@@ -252,15 +256,14 @@ class Decoder:
                 block, acc = self._verify(tree, rows, StepStats(
                     0, len(tree), len(full), used, t1 - t0, 0.0, 0.0, t_schedule, rows,
                     plan.expected))
-                if choice is not None:
-                    self.calls.observe(*choice, len(block), 1000 * (self.clock() - t0))
+                self._learn(choice, len(block), t0)
                 yield block
                 root = acc.bonus
                 continue
             if queued is None:
-                queued = forward(mx.array(root))
-            after = (forward(queued.token) if len(plan.keep) == 1 and not self._calls_next()
-                     else None)
+                queued = forward(mx.array(root), row=True)
+            after = (forward(queued.token, row=True)
+                     if len(plan.keep) == 1 and not self._calls_next() else None)
             nxt = queued.read()
             t2 = self.clock()
             history.record(history.committed, *host_top_logprobs(queued.row()[None]))
@@ -269,12 +272,46 @@ class Decoder:
                 d.observe(history, 1)
             self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
                                         self.clock() - t2, t_schedule, 1, plan.expected))
-            if choice is not None:
-                self.calls.observe(*choice, 1, 1000 * (self.clock() - t0))
+            self._learn(choice, 1, t0)
             yield [root]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
+
+    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float) -> None:
+        """A tree step that began at `t0` committed `tokens`: the fallback and the call policy
+        (for the `choice` of a priced build) learn its rate."""
+        ms = 1000 * (self.clock() - t0)
+        self.fallback.observe_tree(tokens, ms)
+        if choice is not None:
+            self.calls.observe(*choice, tokens, ms)
+
+    def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
+                    steps: int) -> Iterator[list[int]]:
+        """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
+        the token. Each row's top log-probs are deferred (History.defer) until a drafter reads
+        them. Continues a `queued` forward of `root`, if any; returns the new root, whose
+        forward is not in flight."""
+        history, done, busy = self.session.history, 0, 0.0
+        try:
+            t0 = self.clock()
+            queued = queued or forward(mx.array(root))
+            for i in range(steps):
+                after = forward(queued.token) if i + 1 < steps else None
+                nxt = queued.read()
+                if queued.hidden is not None:
+                    history.defer(history.committed, queued.hidden, self.target.head)
+                history.extend([nxt])
+                for d in self.drafters:
+                    d.observe(history, 1)
+                self.stats.append(StepStats(0, 1, 1, [], 0.0, 0.0, 0.0))
+                done, busy = done + 1, busy + self.clock() - t0
+                yield [history.tokens[-2]]
+                t0, queued = self.clock(), after
+        finally:        # what ran is measured, also when the caller stops inside the stretch
+            if done:
+                self.fallback.observe_ar(done, 1000 * busy)
+        return history.root
 
     def _calls_next(self) -> bool:
         """Whether the next step will likely call the strong drafter: then its forward is not
@@ -324,6 +361,7 @@ class Queued:
 
     token: mx.array
     logits: mx.array
+    hidden: Optional[mx.array] = None    # the last layer's output (1, H), where exposed
 
     def read(self) -> int:
         return int(self.token.item())
@@ -337,21 +375,25 @@ class ArForward:
     or the processed distribution with the next key), all evaluated asynchronously, so the
     host can queue the following forward or draft while it runs."""
 
-    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
-                 with_row: bool = False):
+    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array):
         self.target, self.cache, self.settings, self.key = target, cache, settings, key
-        self.with_row = with_row      # also evaluate the logits row (the history records it)
 
-    def __call__(self, token: mx.array) -> Queued:
-        logits = self.target(token.reshape(1, 1), cache=self.cache)[0, -1]
+    def __call__(self, token: mx.array, row: bool = False) -> Queued:
+        """`row`: also evaluate the logits row (the history records it from the host)."""
+        target, tokens, hidden = self.target, token.reshape(1, 1), None
+        if hasattr(target, "run_layers"):
+            hidden = target.run_layers(target.embed(tokens), self.cache)[0]
+            logits = target.head(hidden[None])[0, -1]
+        else:
+            logits = target(tokens, cache=self.cache)[0, -1]
         self.cache.commit()
         self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)
-        if self.with_row:
+        if row:
             mx.async_eval(nxt, logits)
         else:
             mx.async_eval(nxt)
-        return Queued(nxt, logits)
+        return Queued(nxt, logits, hidden)
 
 
 @dataclass

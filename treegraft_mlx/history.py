@@ -14,6 +14,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from .device import on_gpu
+
 TOP_LOGPROBS = 10
 OUTSIDE_TOP_PENALTY = 5.0  # a token outside the top-10 scores the 10th value minus this
 LAZY_BLOCK = 64            # deferred prompt rows computed together on first read
@@ -83,8 +85,16 @@ class History:
         return self.top_ids[:end], self.top_lp[:end]
 
     def _compute(self, block: int) -> None:
-        for start, hidden, head in self._deferred.pop(block, []):
-            self.record(start, *top_logprobs(head(hidden)))
+        """One evaluation per head for the whole block (AR stretches defer one row a step)."""
+        parts = self._deferred.pop(block, [])
+        for head in {id(h): h for _, _, h in parts}.values():
+            mine = [(start, hidden) for start, hidden, h in parts if h is head]
+            ids, lps = top_logprobs(head(mx.concatenate([h for _, h in mine])))
+            at = 0
+            for start, hidden in mine:
+                n = hidden.shape[0]
+                self.record(start, ids[at:at + n], lps[at:at + n])
+                at += n
 
     def logprob(self, position: int, token: int) -> float:
         """Target log-prob of `token` following `position` (0.0 where nothing was recorded)."""
@@ -104,7 +114,11 @@ class History:
 
 
 def top_logprobs(logits: mx.array, k: int = TOP_LOGPROBS) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k token ids and their log-probs per row, computed in MLX (only k values leave it)."""
+    """Top-k token ids and their log-probs per row: on a GPU in MLX (only k values leave it);
+    on MLX's CPU backend in numpy, whose `exp` is vectorised (measured 13 against 23 ms for
+    64 rows of 8192)."""
+    if not on_gpu():
+        return host_top_logprobs(np.array(logits.astype(mx.float32)), k)
     x = logits.astype(mx.float32)
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     ids = mx.argpartition(-lp, k - 1, axis=-1)[..., :k]

@@ -125,3 +125,54 @@ class CallPolicy:
         w = max(self.EMA, 1.0 / self.tries[bucket, k])
         self.tokens[bucket, k] += w * (tokens - self.tokens[bucket, k])
         self.ms[bucket, k] += w * (ms - self.ms[bucket, k])
+
+
+class Fallback:
+    """When to decode plainly (docs/design.md §7.9): measured committed tokens per ms of tree
+    steps against plain AR stretches, whichever is faster wins the next stretch. A sampled run
+    accepts nothing on most steps, and a tree step's host work (the logits row, the history's
+    log-probs, drafting, sizing) then costs more than a plain AR step; a stretch does exactly
+    what `ar` does. Every PROBE tree steps the rates are compared: while AR is faster the next
+    stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
+    once the tree is faster again, stretches restart short. The AR rate starts from the cost
+    table's AR step and is then measured. Lives on the family (per regime and strategy):
+    choices depend on measured times, never on the target's logits."""
+
+    PROBE = 4
+    FIRST_STRETCH = 16
+    MAX_STRETCH = 256
+    EMA = 0.2
+
+    def __init__(self, ar_ms: float):
+        self.tree = np.zeros(2)                 # moving averages of (tokens, ms) per tree step
+        self.ar = np.array([1.0, ar_ms])        # ... per AR step, over stretches
+        self.tree_steps = self.ar_stretches = 0
+        self.since = 0                          # tree steps since the last decision
+        self.stretch = self.FIRST_STRETCH
+
+    def observe_tree(self, tokens: int, ms: float) -> None:
+        self.tree_steps += 1
+        self.since += 1
+        self.tree += max(self.EMA, 1.0 / self.tree_steps) * (np.array([tokens, ms]) - self.tree)
+
+    def observe_ar(self, tokens: int, ms: float) -> None:
+        """A stretch committed `tokens` in `ms` of wall time."""
+        self.ar_stretches += 1
+        w = max(0.5, 1.0 / self.ar_stretches)
+        self.ar += w * (np.array([1.0, ms / tokens]) - self.ar)
+
+    def faster(self) -> bool:
+        """Whether tree steps have measured faster than AR steps."""
+        return self.tree[0] * self.ar[1] >= self.tree[1]
+
+    def next_stretch(self) -> int:
+        """AR steps to take now: 0 (a tree step) except every PROBE tree steps, when AR has
+        measured faster."""
+        if self.since < self.PROBE:
+            return 0
+        self.since = 0
+        if self.faster():
+            self.stretch = self.FIRST_STRETCH
+            return 0
+        n, self.stretch = self.stretch, min(2 * self.stretch, self.MAX_STRETCH)
+        return n

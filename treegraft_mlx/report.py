@@ -69,6 +69,11 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
     rows.append("| vs ar | " + " | ".join(cell(s, "all", "speedup_vs_ar", ".2f") + "x" for s in strats) + " |")
     rows.append("| tokens per target forward | "
                 + " | ".join(cell(s, "all", "mean_accepted", ".2f") for s in strats) + " |")
+    if any(summary["strategies"][s].get("all", {}).get("loop_step_share") is not None
+           for s in strats):
+        rows.append("| tokens per forward: steps in a loop / outside (loop share of steps) | "
+                    + " | ".join(loop_cell(summary["strategies"][s].get("all", {}))
+                                 for s in strats) + " |")
     rows.append("| rows verified per step | "
                 + " | ".join(cell(s, "all", "rows_per_step", ".2f") for s in strats) + " |")
     if any(summary["strategies"][s].get("all", {}).get("schedule_s") for s in strats):
@@ -79,6 +84,16 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
         rows.append(f"| {cat} (greedy loop share {loops[cat]:.0%}), tok/s | "
                     + " | ".join(cell(s, cat, "tokens_per_sec", ".1f") for s in strats) + " |")
     return "\n".join(rows)
+
+
+def loop_cell(v: dict) -> str:
+    """'3.10 / 1.40 (55%)': tokens per forward of the steps inside a loop and outside one
+    (bench.loop_split), and the share of steps inside; '-' where not measured."""
+    if v.get("loop_step_share") is None:
+        return "-"
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"
+    return (f"{fmt(v.get('mean_accepted_loop'))} / {fmt(v.get('mean_accepted_other'))} "
+            f"({v['loop_step_share']:.0%})")
 
 
 def decision_share(by_category: dict) -> str:
