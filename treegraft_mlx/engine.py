@@ -221,11 +221,11 @@ class Decoder:
         child it confirms keeps its subtree for the next step."""
         history, forward = self.session.history, self._forward()
         queued: Optional[Queued] = None        # the forward of `root`, in flight
+        self.fallback.new_text()
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
             if carried is None and (n := self.fallback.next_stretch()):
-                root = yield from self._ar_stretch(root, forward, queued, n)
-                queued = None
+                root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
             choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
@@ -290,8 +290,9 @@ class Decoder:
                     steps: int) -> Iterator[list[int]]:
         """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
         the token. Each row's top log-probs are deferred (History.defer) until a drafter reads
-        them. Continues a `queued` forward of `root`, if any; returns the new root, whose
-        forward is not in flight."""
+        them. Continues a `queued` forward of `root`, if any. Ends early where the text starts
+        to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
+        the new root and its forward if that is in flight (after an early end)."""
         history, done, busy = self.session.history, 0, 0.0
         try:
             t0 = self.clock()
@@ -308,10 +309,12 @@ class Decoder:
                 done, busy = done + 1, busy + self.clock() - t0
                 yield [history.tokens[-2]]
                 t0, queued = self.clock(), after
+                if self.session.ngram.index.repeats(history.tokens):
+                    break           # the text loops: drafts may pay again; probe the tree
         finally:        # what ran is measured, also when the caller stops inside the stretch
             if done:
                 self.fallback.observe_ar(done, 1000 * busy)
-        return history.root
+        return history.root, queued
 
     def _calls_next(self) -> bool:
         """Whether the next step will likely call the strong drafter: then its forward is not

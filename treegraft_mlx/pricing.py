@@ -134,9 +134,11 @@ class Fallback:
     log-probs, drafting, sizing) then costs more than a plain AR step; a stretch does exactly
     what `ar` does. Every PROBE tree steps the rates are compared: while AR is faster the next
     stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
-    once the tree is faster again, stretches restart short. The AR rate starts from the cost
-    table's AR step and is then measured. Lives on the family (per regime and strategy):
-    choices depend on measured times, never on the target's logits."""
+    once the tree is faster again, or a new generation starts, stretches restart short. A
+    stretch also ends where the text starts to loop (the decoder checks the n-gram index).
+    The AR rate starts from the cost table's AR step and is then measured. Lives on the
+    family (per regime and strategy): choices depend on measured times and the committed
+    text, never on the target's logits."""
 
     PROBE = 4
     FIRST_STRETCH = 16
@@ -149,6 +151,10 @@ class Fallback:
         self.tree_steps = self.ar_stretches = 0
         self.since = 0                          # tree steps since the last decision
         self.stretch = self.FIRST_STRETCH
+
+    def new_text(self) -> None:
+        """A generation starts: its text, not the last one's, decides how long stretches get."""
+        self.since, self.stretch = 0, self.FIRST_STRETCH
 
     def observe_tree(self, tokens: int, ms: float) -> None:
         self.tree_steps += 1

@@ -34,6 +34,10 @@ class NgramIndex:
                 self.most_frequent = t
         self.length = len(tokens)
 
+    def repeats(self, tokens: list[int]) -> bool:
+        """Whether the sequence's last n_max tokens (indexed) occurred earlier: a loop."""
+        return len(tokens) >= self.n_max and len(self.ends.get(tuple(tokens[-self.n_max:]), ())) > 1
+
     def occurrences(self, gram: tuple[int, ...]) -> Iterator[int]:
         """End positions of `gram`, most recent first (no copy: callers stop early)."""
         return reversed(self.ends.get(gram, ()))
