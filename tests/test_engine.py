@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from schedulers import threshold_mlp
+from scores import reference_scores
 from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.bench import first_per_category, read_prompts
@@ -155,11 +156,10 @@ def test_strong_drafter_runs_only_new_nodes_and_matches_one_forward(family):
 
 
 def test_commit_records_what_the_target_saw_and_counts_blocks(family):
-    """Every committed position keeps the target's top log-probs of a plain forward (not the
-    tree's first rows, not one position late), and the step statistics count each block's
-    drafts without the root: their blocks add up to the tokens generated."""
-    from treegraft_mlx.history import top_logprobs
-
+    """Every committed position keeps the target's score of a plain forward (not the tree's
+    first rows, not one position late, against the token that followed), and the step
+    statistics count each block's drafts without the root: their blocks add up to the tokens
+    generated."""
     fixed = dataclasses.replace(family.tree, adaptive=False)
     session = Session(family, fixed)
     prompt = suite_prompts(1)[1]["prompt"]
@@ -167,10 +167,8 @@ def test_commit_records_what_the_target_saw_and_counts_blocks(family):
     assert max(s.accepted for s in out.step_stats) >= 2
     history = session.history
     n = history.committed
-    _, want = top_logprobs(family.target(mx.array([history.tokens[:n]]))[0])
-    order = np.argsort(-want, axis=-1, kind="stable")
-    want = np.take_along_axis(want, order, -1)
-    assert np.abs(history.top(n)[1] - want).max() < 1e-3
+    want = reference_scores(family.target, history.tokens, n)
+    assert np.abs(history.scores(n) - want).max() < 1e-3
     blocks = np.cumsum([s.accepted + 1 for s in out.step_stats])
     assert blocks[-2] < len(out.token_ids) <= blocks[-1]
 
@@ -302,9 +300,8 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
                                                                         temp):
     """A fallback that finds AR faster decodes stretches exactly as `ar` does, between tree
     steps: greedy output equals `ar`'s, a seeded sampled run repeats, and every committed
-    position still reads the target's top log-probs of a plain forward (deferred rows, one
+    position still reads the target's score of a plain forward (deferred rows, one
     per stretch step, at the right positions)."""
-    from treegraft_mlx.history import top_logprobs
     from treegraft_mlx.pricing import Fallback
 
     fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
@@ -319,9 +316,8 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
         assert out.token_ids == generate(family, prompt, "ar", max_tokens=72).token_ids
     history = session.history
     n = history.committed
-    _, want = top_logprobs(family.target(mx.array([history.tokens[:n]]))[0])
-    want = np.take_along_axis(want, np.argsort(-want, axis=-1, kind="stable"), -1)
-    assert np.abs(history.top(n)[1] - want).max() < 1e-3
+    want = reference_scores(family.target, history.tokens, n)
+    assert np.abs(history.scores(n) - want).max() < 1e-3
     if temp > 0:
         again = Fallback(ar_ms=1e-6)
         monkeypatch.setitem(family.runtime_state, ("fallback", True, family.tree, "ngram"),

@@ -5,6 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from scores import reference_scores
 from treegraft_mlx import generate, load
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.session import Session, common_prefix
@@ -113,22 +114,30 @@ def test_drafters_after_a_second_turn_match_a_fresh_session(family, kind):
 
 
 def test_prompt_rows_are_computed_only_where_read(family):
-    """Prefill defers the prompt's top log-probs; reading one position computes its block
-    alone, with the values a plain forward gives; a reused prefix carries deferred rows."""
-    from treegraft_mlx.history import LAZY_BLOCK, top_logprobs
+    """Prefill defers the prompt's scores; reading one position computes its block alone, with
+    the values a plain forward gives; a reused prefix carries deferred rows, and the last
+    reused position is scored against the token that follows it in the new prompt."""
+    from treegraft_mlx.history import LAZY_BLOCK
 
     ids = family.tokenizer.encode("def add(a, b):\n    return a + b\n" * 12)
     assert len(ids) > 2 * LAZY_BLOCK
     session = Session(family)
     session.prefill(ids, SamplerSettings(), np.random.default_rng(0))
     history = session.history
-    assert (history.top_ids[:len(ids)] < 0).all()            # nothing computed up front
-    _, want = top_logprobs(family.target(mx.array([ids]))[0])
+    assert np.isnan(history.lp[:len(ids)]).all()            # nothing computed up front
+    want = reference_scores(family.target, history.tokens, len(ids))
     p = LAZY_BLOCK + 3
-    assert history.logprob(p, 0) <= 0
-    computed = np.flatnonzero(history.top_ids[:len(ids), 0] >= 0)
+    assert history.logprob(p) == pytest.approx(want[p], abs=1e-4)
+    computed = np.flatnonzero(~np.isnan(history.lp[:len(ids)]))
     assert computed.tolist() == list(range(LAZY_BLOCK, 2 * LAZY_BLOCK))
-    assert np.allclose(history.top_lp[p], np.sort(want[p])[::-1], atol=1e-4)
-    session.prefill(ids + [7, 8], SamplerSettings(), np.random.default_rng(0))
-    ids_all, lp_all = session.history.top(len(ids))
-    assert np.allclose(lp_all, -np.sort(-want, axis=-1), atol=1e-4)
+    history.scores(len(ids))                                 # everything scored now
+    root = history.root
+    for follow in (root, (root + 1) % 200):  # the old following token kept, and a new one
+        again = ids + [follow, 8]
+        session.prefill(again, SamplerSettings(), np.random.default_rng(0))
+        n = len(again) - 1
+        assert np.allclose(session.history.scores(n),
+                           reference_scores(family.target, session.history.tokens, n),
+                           atol=1e-4)
+        session.prefill(ids, SamplerSettings(), np.random.default_rng(0))
+        session.history.scores(len(ids))

@@ -92,10 +92,9 @@ def test_ngram_layer_chains_scores_and_termination():
     # context: "1 2 3 4 5 6 | 1 2 3 7 8 | 1 2 3" ; root = the last 3
     tokens = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 1, 2, 3]
     h = history_of(tokens)
-    ids = np.zeros((len(tokens), 10), dtype=np.int64)
-    lp = np.full((len(tokens), 10), -9.0, dtype=np.float32)
-    ids[8, 0], lp[8, 0] = 7, -0.25      # target log-prob of 7 after position 8
-    h.record(0, ids, lp)
+    lp = np.full(len(tokens) - 1, -14.0, dtype=np.float32)
+    lp[8] = -0.25                       # target log-prob of 7 (tokens[9]) after position 8
+    h.keep(0, lp)
     d = NgramDrafter(n_max=5, top_k=2, depth=5)
     d.observe(h, len(tokens))
     t = DraftTree.rooted_at(3)
@@ -107,7 +106,7 @@ def test_ngram_layer_chains_scores_and_termination():
     assert frontier == [first7, first4]  # same match length: the more recent first
     assert not t.terminated[0]  # top_k = 2 distinct first tokens were found
     assert t.score[first7] == -0.25                      # scored from the recorded log-prob
-    assert t.score[first4] == -9.0 - 5.0                 # outside the top-10: 10th minus 5
+    assert t.score[first4] == -14.0                      # the score of 4 after position 3
     assert t.score[t.child(first7, 8)] == float("-inf")  # deeper chain tokens are unscored
     assert len(t) <= build_cap(2, 5)
     # layer 2 proposes chains of length 4 under each frontier node, merging into existing ones

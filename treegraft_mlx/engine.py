@@ -42,7 +42,7 @@ import numpy as np
 from . import device
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream
-from .history import History, host_top_logprobs
+from .history import History
 from .sampling import SamplerSettings, sample_token
 from .pricing import CallPolicy, Fallback, Sizer
 from .session import Session
@@ -161,7 +161,7 @@ class Decoder:
         return sum(getattr(d, "calls", 0) for d in self.drafters) - self._calls_before
 
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
-        # The prompt rows' top log-probs stay deferred (History.defer) until a drafter reads
+        # The prompt rows' scores stay deferred (History.defer) until a drafter reads
         # them, a block at a time: the first token never waits for them.
         root = self.session.prefill(prompt_ids, self.settings, self.rng)
         yield []  # prefill done
@@ -261,12 +261,12 @@ class Decoder:
                 root = acc.bonus
                 continue
             if queued is None:
-                queued = forward(mx.array(root), row=True)
-            after = (forward(queued.token, row=True)
+                queued = forward(mx.array(root))
+            after = (forward(queued.token)
                      if len(plan.keep) == 1 and not self._calls_next() else None)
             nxt = queued.read()
             t2 = self.clock()
-            history.record(history.committed, *host_top_logprobs(queued.row()[None]))
+            self._remember(queued, nxt)
             history.extend([nxt])
             for d in self.drafters:
                 d.observe(history, 1)
@@ -289,8 +289,8 @@ class Decoder:
     def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
                     steps: int) -> Iterator[list[int]]:
         """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
-        the token. Each row's top log-probs are deferred (History.defer) until a drafter reads
-        them. Continues a `queued` forward of `root`, if any. Ends early where the text starts
+        the token. Each row's score is deferred (History.defer) until a drafter reads
+        it. Continues a `queued` forward of `root`, if any. Ends early where the text starts
         to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
         the new root and its forward if that is in flight (after an early end)."""
         history, done, busy = self.session.history, 0, 0.0
@@ -300,8 +300,7 @@ class Decoder:
             for i in range(steps):
                 after = forward(queued.token) if i + 1 < steps else None
                 nxt = queued.read()
-                if queued.hidden is not None:
-                    history.defer(history.committed, queued.hidden, self.target.head)
+                self._remember(queued, nxt)
                 history.extend([nxt])
                 for d in self.drafters:
                     d.observe(history, 1)
@@ -315,6 +314,16 @@ class Decoder:
             if done:
                 self.fallback.observe_ar(done, 1000 * busy)
         return history.root, queued
+
+    def _remember(self, queued: "Queued", token: int) -> None:
+        """What the drafters will read of an AR step whose forward drew `token`: its row,
+        deferred as a hidden state where the target exposes one (nothing read back now), else
+        scored from its logits."""
+        history = self.session.history
+        if queued.hidden is not None:
+            history.defer(history.committed, queued.hidden, self.target.head)
+        else:
+            history.record(history.committed, queued.logits[None], [token])
 
     def _calls_next(self) -> bool:
         """Whether the next step will likely call the strong drafter: then its forward is not
@@ -369,9 +378,6 @@ class Queued:
     def read(self) -> int:
         return int(self.token.item())
 
-    def row(self) -> np.ndarray:
-        return np.array(self.logits)
-
 
 class ArForward:
     """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
@@ -381,8 +387,7 @@ class ArForward:
     def __init__(self, target, cache, settings: SamplerSettings, key: mx.array):
         self.target, self.cache, self.settings, self.key = target, cache, settings, key
 
-    def __call__(self, token: mx.array, row: bool = False) -> Queued:
-        """`row`: also evaluate the logits row (the history records it from the host)."""
+    def __call__(self, token: mx.array) -> Queued:
         target, tokens, hidden = self.target, token.reshape(1, 1), None
         if hasattr(target, "run_layers"):
             hidden = target.run_layers(target.embed(tokens), self.cache)[0]
@@ -392,10 +397,7 @@ class ArForward:
         self.cache.commit()
         self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)
-        if row:
-            mx.async_eval(nxt, logits)
-        else:
-            mx.async_eval(nxt)
+        mx.async_eval(nxt)
         return Queued(nxt, logits, hidden)
 
 
@@ -469,14 +471,14 @@ class TreeBuild:
 
 def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
            acc: Acceptance) -> list[int]:
-    """Commit the accepted path: compact the target cache, keep the target's log-probs,
+    """Commit the accepted path: compact the target cache, score the path's positions,
     extend the history and tell the drafters. Returns the committed block (root first)."""
     history = session.history
     session.cache.keep(acc.path)
-    top_ids, top_lp = host_top_logprobs(np.array(logits[mx.array(acc.path)]))
-    history.record(history.committed, top_ids, top_lp)
     block = [tree.token[i] for i in acc.path]
-    history.extend(block[1:] + [acc.bonus])
+    following = block[1:] + [acc.bonus]
+    history.record(history.committed, logits[mx.array(acc.path)], following)
+    history.extend(following)
     for d in drafters:
         d.observe(history, len(block))
     return block

@@ -1,6 +1,6 @@
 """What survives between generations of one conversation, and the prefill that reuses it.
 
-The target's KV cache, the history (tokens and the target's top-10 log-probs) and the drafters'
+The target's KV cache, the history (tokens and the target's scores of them) and the drafters'
 state stay alive across turns. A new prompt reuses the longest prefix it shares with what is
 committed, so a chat turn only prefills its new tokens.
 """
@@ -14,7 +14,7 @@ import numpy as np
 
 from .drafters import ModelDrafter, NgramDrafter
 from .family import Family, TreeConfig
-from .history import History, top_logprobs
+from .history import History, as_logits
 from .sampling import SamplerSettings, pick
 
 PREFILL_CHUNK = 512
@@ -41,16 +41,17 @@ class Session:
                        if family.strong is not None else None)
 
     def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
-        """Run one chunk of the prompt into the cache; its rows' top log-probs are deferred
+        """Run one chunk of the prompt into the cache; its rows' scores are deferred
         (History.defer) where the target exposes its hidden states, so only the last row's
         logits are computed now (what `mlx_lm` computes); a pipeline target, whose head runs
-        on its last rank, returns every row's logits and they are recorded at once."""
+        on its last rank, returns every row's logits, and those are deferred instead."""
         target = self.family.target
         tokens = mx.array([chunk])
         if not hasattr(target, "run_layers"):
             logits = target(tokens, cache=self.cache)[0]
             self.cache.commit()
-            history.record(start, *top_logprobs(logits))
+            mx.eval(logits)
+            history.defer(start, logits, as_logits)
             return logits[-1]
         hidden = target.run_layers(target.embed(tokens), self.cache)[0]
         self.cache.commit()
@@ -67,14 +68,14 @@ class Session:
         return min(common_prefix(self.history.tokens[:committed], ids), len(ids) - 1)
 
     def prefill(self, ids: list[int], settings: SamplerSettings, rng: np.random.Generator) -> int:
-        """Prefill what is not cached yet, keeping top-10 log-probs; returns the first token.
+        """Prefill what is not cached yet (its rows' scores deferred); returns the first token.
 
         Afterwards history = prompt + [first token] (pending) and every drafter is in sync.
         """
         keep = self.reusable(ids)
         history = History(ids, capacity=len(ids) + 1024)
         if keep:
-            history.inherit(self.history, keep)
+            keep = history.inherit(self.history, keep)
         self.cache.reset(keep)
         last = None
         for start in range(keep, len(ids), PREFILL_CHUNK):

@@ -112,7 +112,7 @@ class NgramDrafter:
                     if len(tree) >= cap or tree.depth[node] >= self.depth:
                         break
                     # The target's log-prob of tok where the match saw it (end + j precedes it).
-                    lp = history.logprob(end + j, tok)
+                    lp = history.logprob(end + j)
                     score = tree.score[parent] + lp if j == 0 else NEG_INF
                     node = tree.add(node, tok, score, n, end, ngram_lp=lp)
             if not enough:
