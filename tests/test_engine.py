@@ -72,6 +72,19 @@ def test_greedy_output_identical_for_every_strategy(family, mlx_lm_target):
         assert sum(trees[s]) >= 20 and accepted[s] >= 40, (s, sum(trees[s]), accepted[s])
 
 
+@pytest.mark.parametrize("strategy", ["ar", "ngram", "treegraft"])
+def test_the_first_token_is_out_before_any_step(family, strategy):
+    """Time to first token is the prefill's, as with mlx_lm: the first block is the prefill's
+    token alone, yielded before any step ran (greedy: `ar`'s first token)."""
+    prompt = suite_prompts(1)[0]["prompt"]
+    want = generate(family, prompt, "ar", max_tokens=1).token_ids
+    dec = Decoder(Session(family), parse_strategy(strategy), SamplerSettings(),
+                  np.random.default_rng(0))
+    steps = dec.steps(family.tokenizer.encode(prompt))
+    assert next(steps) == want and dec.stats == []
+    assert len(next(steps)) >= 1 and len(dec.stats) == 1
+
+
 def test_max_tokens_and_eos_inside_accepted_blocks(family):
     # The bundle's fixed tree: per-step sizing follows this machine's measured times (a busy
     # machine may make every step an AR step), and this test is about stopping inside blocks.
@@ -84,7 +97,7 @@ def test_max_tokens_and_eos_inside_accepted_blocks(family):
         cut = generate(family, prompt, "treegraft", max_tokens=n, tree=fixed)
         assert cut.token_ids == ar.token_ids[:n] and cut.finish_reason == "length"
     # Declare a token from the middle of a long accepted block an end-of-sequence token.
-    pos, start = None, 0
+    pos, start = None, 1                # token 0 is the prefill's; each step's block follows
     for s in res.step_stats:
         if s.accepted >= 2:
             pos = start + 1
@@ -169,7 +182,7 @@ def test_commit_records_what_the_target_saw_and_counts_blocks(family):
     n = history.committed
     want = reference_scores(family.target, history.tokens, n)
     assert np.abs(history.scores(n) - want).max() < 1e-3
-    blocks = np.cumsum([s.accepted + 1 for s in out.step_stats])
+    blocks = 1 + np.cumsum([s.accepted + 1 for s in out.step_stats])   # after the prefill's
     assert blocks[-2] < len(out.token_ids) <= blocks[-1]
 
 

@@ -49,6 +49,7 @@ class Run:
     per_k: Optional[dict] = None   # mlx_lm_spec: {num_draft_tokens: [tokens, tokens/s]}
     loop_steps: int = 0            # steps whose first token continues a loop (loop_split)
     loop_tokens: int = 0           # the tokens those steps committed
+    ttft_s: float = 0.0            # time to first token (prefill included)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -118,7 +119,7 @@ def _mlx_lm_runner(family: Family, temp: float, top_p: float):
 
     def run(prompt: str, max_tokens: int, draft: Optional[int]):
         ids = family.tokenizer.encode(prompt)
-        toks, last = [], None
+        toks, last, ttft = [], None, 0.0
         kwargs = {}
         if draft:
             strong = list(family.drafters)[-1]
@@ -126,11 +127,13 @@ def _mlx_lm_runner(family: Family, temp: float, top_p: float):
         for r in mlx_lm.stream_generate(model("target"), family.tokenizer, ids,
                                         max_tokens=max_tokens,
                                         sampler=make_sampler(temp=temp, top_p=top_p), **kwargs):
+            if not ttft:
+                ttft = r.prompt_tokens / r.prompt_tps
             if r.token in family.tokenizer.eos_token_ids:
                 break
             toks.append(r.token)
             last = r
-        return toks, (last.generation_tps if last else 0.0)
+        return toks, (last.generation_tps if last else 0.0), ttft
 
     return run
 
@@ -155,10 +158,10 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
             per_k = {}
             for k in (MLX_LM_SPEC_KS if s == "mlx_lm_spec" else [None]):
                 mx.random.seed(seed)
-                toks, tps = mlx_run(p["prompt"], max_tokens, k)
+                toks, tps, ttft = mlx_run(p["prompt"], max_tokens, k)
                 per_k[k] = [len(toks), tps]
             return Run(p["id"], p["category"], s, r, len(toks), 0, 0.0, tps, toks,
-                       per_k=per_k if s == "mlx_lm_spec" else None)
+                       per_k=per_k if s == "mlx_lm_spec" else None, ttft_s=ttft)
         name, shape = s.split("@", 1) if "@" in s else (s, None)
         if shape not in SHAPES:
             raise ValueError(f"unknown tree shape {shape!r} in {s!r} (choose from "
@@ -166,12 +169,13 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
         res = generate(family, p["prompt"], name, max_tokens=max_tokens, temp=temp, top_p=top_p,
                        seed=seed, tree=SHAPES[shape](tree or family.tree))
         st = res.step_stats
-        loops = loop_split(res.token_ids, [x.accepted + 1 for x in st])
+        loops = loop_split(res.token_ids, [1] + [x.accepted + 1 for x in st])  # prefill's first
         return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
                    res.mean_accepted, res.tokens_per_sec, res.token_ids,
                    sum(x.t_draft for x in st), sum(x.t_verify for x in st),
                    sum(x.t_accept for x in st), sum(x.t_schedule for x in st),
-                   sum(x.rows for x in st), loop_steps=loops[0], loop_tokens=loops[1])
+                   sum(x.rows for x in st), loop_steps=loops[0], loop_tokens=loops[1],
+                   ttft_s=res.time_to_first_token)
 
     for p in prompts[:warmup]:
         for s in strategies:
@@ -224,7 +228,7 @@ def summarize(runs: list[Run]) -> dict:
     runs = [r for r in runs if r.strategy != "mlx_lm_spec"] + spec_runs(runs)
     agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "rows": 0, "draft": 0.0,
                                "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0,
-                               "loop_steps": 0, "loop_tokens": 0})
+                               "loop_steps": 0, "loop_tokens": 0, "ttft": 0.0})
     for r in runs:
         for cat in (r.category, "all"):
             a = agg[(r.strategy, cat)]
@@ -238,6 +242,7 @@ def summarize(runs: list[Run]) -> dict:
             a["schedule"] += r.t_schedule
             a["loop_steps"] += r.loop_steps
             a["loop_tokens"] += r.loop_tokens
+            a["ttft"] += r.ttft_s
             a["n"] += 1
     out: dict = defaultdict(dict)
     for (s, cat), a in agg.items():
@@ -248,7 +253,7 @@ def summarize(runs: list[Run]) -> dict:
                        "draft_s": a["draft"], "verify_s": a["verify"], "accept_s": a["accept"],
                        "schedule_s": a["schedule"],
                        "schedule_share": a["schedule"] / a["time"] if a["time"] else 0.0,
-                       "runs": a["n"]}
+                       "ttft_s": a["ttft"] / a["n"], "runs": a["n"]}
         other_steps = a["steps"] - a["loop_steps"]
         if a["steps"]:          # tokens per forward, steps inside a loop and outside one
             out[s][cat]["mean_accepted_loop"] = (a["loop_tokens"] / a["loop_steps"]
@@ -262,6 +267,8 @@ def summarize(runs: list[Run]) -> dict:
         for cat, v in out[s].items():
             ar = out.get("ar", {}).get(cat, {}).get("tokens_per_sec")
             v["speedup_vs_ar"] = v["tokens_per_sec"] / ar if ar else None
+            plain = out.get("mlx_lm", {}).get(cat, {}).get("ttft_s")
+            v["ttft_vs_mlx_lm"] = v["ttft_s"] / plain if plain and v["ttft_s"] else None
     loops = defaultdict(list)
     for r in runs:
         if r.strategy == "ar":

@@ -1,7 +1,8 @@
 """The decoding loop: draft tree (drafters) -> size -> verify (target) -> accept -> compact.
 
-Every strategy is a generator of committed token blocks, one per target forward, so stopping,
-streaming and statistics are shared (generate.stream). Strategies by name:
+Every strategy is a generator of committed token blocks: the prefill's token, then one block
+per target forward (the drafts it accepted and its bonus token), so stopping, streaming and
+statistics are shared (generate.stream). Strategies by name:
 
   ar                      the target alone
   chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
@@ -163,11 +164,14 @@ class Decoder:
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
         # The prompt rows' scores stay deferred (History.defer) until a drafter reads
         # them, a block at a time: the first token never waits for them.
+        # The first block is the prefill's token, out at once (time to first token); every
+        # later block is what one target forward committed: accepted drafts, then the bonus.
         root = self.session.prefill(prompt_ids, self.settings, self.rng)
-        yield []  # prefill done
         if self.strategy.kind == "ar":
             yield from self._ar_steps(root)
-        elif self.sizer is not None:
+            return
+        yield [root]
+        if self.sizer is not None:
             yield from self._adaptive_steps(root)
         else:
             yield from self._tree_steps(root)
@@ -178,14 +182,16 @@ class Decoder:
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
-        queued (async_eval) before the current token is read back."""
+        queued (async_eval) before the current token is read back (the prefill's token too)."""
         history, forward = self.session.history, self._forward()
         queued = forward(mx.array(root))
+        yield [root]
         while True:
             after = forward(queued.token)
-            history.extend([queued.read()])
+            nxt = queued.read()
+            history.extend([nxt])
             self.stats.append(StepStats(0, 1, 1, [], 0.0, 0.0, 0.0))
-            yield [history.tokens[-2]]
+            yield [nxt]
             queued = after
 
     def _build(self, root: int, history: History) -> "TreeBuild":
@@ -273,7 +279,7 @@ class Decoder:
             self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
                                         self.clock() - t2, t_schedule, 1, plan.expected))
             self._learn(choice, 1, t0)
-            yield [root]
+            yield [nxt]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
@@ -306,7 +312,7 @@ class Decoder:
                     d.observe(history, 1)
                 self.stats.append(StepStats(0, 1, 1, [], 0.0, 0.0, 0.0))
                 done, busy = done + 1, busy + self.clock() - t0
-                yield [history.tokens[-2]]
+                yield [nxt]
                 t0, queued = self.clock(), after
                 if self.session.ngram.index.repeats(history.tokens):
                     break           # the text loops: drafts may pay again; probe the tree
@@ -354,7 +360,8 @@ class Decoder:
         return build, plan, (bucket, k)
 
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
-        """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`."""
+        """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`.
+        Returns the committed tokens after the root (accepted drafts, then the bonus)."""
         t1 = self.clock()
         logits = verify(self.target, self.session.cache, tree, rows)
         mx.eval(logits)
@@ -364,7 +371,7 @@ class Decoder:
         stats.accepted = len(acc.path) - 1
         stats.t_verify, stats.t_accept = t2 - t1, self.clock() - t2
         self.stats.append(stats)
-        return block, acc
+        return block[1:] + [acc.bonus], acc
 
 
 @dataclass
@@ -505,6 +512,7 @@ class GenerationResult:
     drafter_calls: int
     finish_reason: Optional[str]
     step_stats: list[StepStats] = field(default_factory=list)
+    time_to_first_token: float = 0.0      # seconds from the call to the first token
 
     @property
     def generation_tokens(self) -> int:
@@ -556,7 +564,8 @@ def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwar
         tokens_per_sec=last.generation_tps if last else 0.0, strategy=strategy,
         drafter_calls=decoder.drafter_calls if decoder else 0,
         finish_reason=last.finish_reason if last else None,
-        step_stats=decoder.stats if decoder else [])
+        step_stats=decoder.stats if decoder else [],
+        time_to_first_token=last.prompt_tokens / last.prompt_tps if last else 0.0)
 
 
 # What this device's costs are measured with: a short code prompt, repetitive enough that the

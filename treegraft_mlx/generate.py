@@ -70,6 +70,8 @@ class Response:
 def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: int,
            stop_strings: Sequence[str] = (), t_start: Optional[float] = None) -> Iterator[Response]:
     """Detokenize committed blocks; stop at EOS / stop string / max_tokens inside a block.
+    The first block is the prefill's token (its arrival is the time to first token); each
+    later one is a step (`Response.steps`).
 
     Text that could still become the start of a stop string is held back until it cannot,
     so nothing from a stop string onwards is ever emitted. One string is one stop string (not
@@ -104,11 +106,10 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
             finish_reason=reason, step_sizes=list(sizes))
 
     for block in steps:
-        if t_first is None:
+        if t_first is None:             # the prefill's token: the first token, not a step
             t_first = time.perf_counter()
-            if not block:
-                continue
-        sizes.append(len(block))
+        else:
+            sizes.append(len(block))
         new_tokens: list[int] = []
         for tok in block:
             if tok in eos:

@@ -74,6 +74,10 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
         rows.append("| tokens per forward: steps in a loop / outside (loop share of steps) | "
                     + " | ".join(loop_cell(summary["strategies"][s].get("all", {}))
                                  for s in strats) + " |")
+    if any(summary["strategies"][s].get("all", {}).get("ttft_vs_mlx_lm") for s in strats):
+        rows.append("| time to first token, ms (vs mlx_lm) | "
+                    + " | ".join(ttft_cell(summary["strategies"][s].get("all", {}))
+                                 for s in strats) + " |")
     rows.append("| rows verified per step | "
                 + " | ".join(cell(s, "all", "rows_per_step", ".2f") for s in strats) + " |")
     if any(summary["strategies"][s].get("all", {}).get("schedule_s") for s in strats):
@@ -84,6 +88,14 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
         rows.append(f"| {cat} (greedy loop share {loops[cat]:.0%}), tok/s | "
                     + " | ".join(cell(s, cat, "tokens_per_sec", ".1f") for s in strats) + " |")
     return "\n".join(rows)
+
+
+def ttft_cell(v: dict) -> str:
+    """'212 (1.02x)': mean time to first token and its ratio to mlx_lm's in the same run."""
+    if not v.get("ttft_s"):
+        return "-"
+    ratio = v.get("ttft_vs_mlx_lm")
+    return f"{1000 * v['ttft_s']:.0f}" + (f" ({ratio:.2f}x)" if ratio else "")
 
 
 def loop_cell(v: dict) -> str:
