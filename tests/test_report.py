@@ -50,8 +50,9 @@ def test_steps_inside_loops_and_outside_are_split_by_their_first_token():
     assert loop_split(tokens, [4, 1, 4, 2]) == (1, 2)  # the step at 9 commits 9 and 10
     assert loop_split(tokens, [5, 5, 3]) == (0, 0)     # steps start at 0, 5, 10: none repeats
     assert loop_split(tokens, [8, 6]) == (1, 3)        # the last block is cut at max_tokens
-    runs = [Run("a", "copy", "ar", 0, 100, 100, 1.0, 40.0, [1]),
-            Run("a", "copy", "ngram", 0, 100, 40, 2.5, 50.0, [1], loop_steps=10, loop_tokens=40)]
+    # Each run's first token is the prefill's: 101 tokens, 100 of them from the steps.
+    runs = [Run("a", "copy", "ar", 0, 101, 100, 1.0, 40.0, [1]),
+            Run("a", "copy", "ngram", 0, 101, 40, 2.5, 50.0, [1], loop_steps=10, loop_tokens=40)]
     report = fake_report()
     report["summary"] = summarize(runs)
     ngram = report["summary"]["strategies"]["ngram"]["all"]

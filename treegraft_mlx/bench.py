@@ -248,7 +248,8 @@ def summarize(runs: list[Run]) -> dict:
     for (s, cat), a in agg.items():
         tps = a["tokens"] / a["time"] if a["time"] else 0.0
         out[s][cat] = {"tokens_per_sec": tps,
-                       "mean_accepted": a["tokens"] / a["steps"] if a["steps"] else None,
+                       "mean_accepted": ((a["tokens"] - a["n"]) / a["steps"]  # after each
+                                         if a["steps"] else None),               # first token
                        "rows_per_step": a["rows"] / a["steps"] if a["rows"] else None,
                        "draft_s": a["draft"], "verify_s": a["verify"], "accept_s": a["accept"],
                        "schedule_s": a["schedule"],
@@ -258,7 +259,8 @@ def summarize(runs: list[Run]) -> dict:
         if a["steps"]:          # tokens per forward, steps inside a loop and outside one
             out[s][cat]["mean_accepted_loop"] = (a["loop_tokens"] / a["loop_steps"]
                                                  if a["loop_steps"] else None)
-            out[s][cat]["mean_accepted_other"] = ((a["tokens"] - a["loop_tokens"]) / other_steps
+            out[s][cat]["mean_accepted_other"] = ((a["tokens"] - a["n"] - a["loop_tokens"])
+                                                  / other_steps
                                                   if other_steps > 0 else None)
             out[s][cat]["loop_step_share"] = a["loop_steps"] / a["steps"]
         if s == "mlx_lm_spec":
@@ -319,10 +321,11 @@ def calibrate_tree(family: Family, prompts: list[dict], budgets: list[int], top_
             for b in budgets:
                 tree = dataclasses.replace(family.tree, budget=b, top_k=top_k, depth=depth,
                                            verify_pad=pad, adaptive=False)
-                tokens, seconds, steps, model_ms = 0, 0.0, 0, 0.0
+                tokens, committed, seconds, steps, model_ms = 0, 0, 0.0, 0, 0.0
                 for p in prompts:
                     res = generate(family, p["prompt"], strategy, max_tokens=max_tokens, tree=tree)
                     tokens += res.generation_tokens
+                    committed += res.generation_tokens - 1   # by the steps (not the prefill)
                     seconds += res.generation_tokens / res.tokens_per_sec if res.tokens_per_sec else 0.0
                     steps += res.steps
                     model_ms += sum(1000 * (s.t_draft + s.t_accept)
@@ -331,9 +334,10 @@ def calibrate_tree(family: Family, prompts: list[dict], budgets: list[int], top_
                     if progress:
                         progress(1)
                 results.append({"budget": b, "top_k": top_k, "depth": depth,
-                                "expected_tokens_per_sec": 1000 * tokens / model_ms if model_ms else 0.0,
+                                "expected_tokens_per_sec": (1000 * committed / model_ms
+                                                            if model_ms else 0.0),
                                 "tokens_per_sec": tokens / seconds if seconds else 0.0,
-                                "mean_accepted": tokens / steps if steps else 0.0})
+                                "mean_accepted": committed / steps if steps else 0.0})
     best = max(results, key=lambda r: r["expected_tokens_per_sec"])
     return {"strategy": strategy, "verification_latency_ms": latency, "verify_pad": list(pad),
             "settings": results, "best": {k: best[k] for k in ("budget", "top_k", "depth")}}

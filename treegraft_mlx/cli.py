@@ -105,7 +105,7 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
         click.echo(json.dumps({
             "text": text, "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
             "generation_tokens": len(ids), "steps": steps,
-            "mean_accepted": len(ids) / steps if steps else 0.0,
+            "mean_accepted": last.mean_accepted if last else 0.0,
             "tokens_per_sec": last.generation_tps if last else 0.0, "strategy": strategy,
             "drafter_calls": decoders[0].drafter_calls if decoders else 0}))
     else:
@@ -177,7 +177,7 @@ def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, to
         messages.append({"role": "assistant", "content": reply})
         if last:
             stats = (f"{last.generation_tokens} tokens, {last.generation_tps:.1f} tok/s, "
-                     f"{last.steps} steps, {last.generation_tokens / max(last.steps, 1):.2f} "
+                     f"{last.steps} steps, {last.mean_accepted:.2f} "
                      f"tokens/step, {session.cache.offset} tokens cached")
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from . import device
 from .family import Family, TreeConfig, load_family
-from .generate import Prompt, Response, check_context, encode_prompt, stream
+from .generate import Prompt, Response, check_context, encode_prompt, stream, tokens_per_step
 from .history import History
 from .sampling import SamplerSettings, sample_token
 from .pricing import CallPolicy, Fallback, Sizer
@@ -560,7 +560,7 @@ def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwar
     steps = last.steps if last else 0
     return GenerationResult(
         text=text, token_ids=ids, prompt_tokens=last.prompt_tokens if last else 0, steps=steps,
-        mean_accepted=len(ids) / steps if steps else 0.0,
+        mean_accepted=tokens_per_step(len(ids), steps),
         tokens_per_sec=last.generation_tps if last else 0.0, strategy=strategy,
         drafter_calls=decoder.drafter_calls if decoder else 0,
         finish_reason=last.finish_reason if last else None,

@@ -66,6 +66,16 @@ class Response:
     finish_reason: Optional[str] = None
     step_sizes: list[int] = field(default_factory=list)
 
+    @property
+    def mean_accepted(self) -> float:
+        return tokens_per_step(self.generation_tokens, self.steps)
+
+
+def tokens_per_step(tokens: int, steps: int) -> float:
+    """Mean accepted length: the tokens after the prefill's first one, per target forward
+    (exactly 1.0 for `ar`)."""
+    return (tokens - 1) / steps if steps else 0.0
+
 
 def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: int,
            stop_strings: Sequence[str] = (), t_start: Optional[float] = None) -> Iterator[Response]:

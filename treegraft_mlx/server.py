@@ -120,7 +120,7 @@ def usage(last: Optional[Response], decoder, strategy: str) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "speculative": {"strategy": strategy, "steps": last.steps if last else 0,
-                            "mean_accepted": completion / last.steps if last and last.steps else 0.0,
+                            "mean_accepted": last.mean_accepted if last else 0.0,
                             "drafter_calls": decoder.drafter_calls if decoder else 0,
                             "tokens_per_sec": last.generation_tps if last else 0.0}}
 
