@@ -33,15 +33,16 @@ from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_TESTS = ("tests/test_tree.py", "tests/test_acceptance.py", "tests/test_distribution.py",
-              "tests/test_session.py", "tests/test_engine.py", "tests/test_sampling.py")
+              "tests/test_session.py", "tests/test_engine.py", "tests/test_sampling.py",
+              "tests/test_history.py")
 DESELECT = "not greedy_output_identical"   # test_engine's slow greedy identity test
 LOSSLESS = ("tests/test_lossless.py",)
 BASE_TIMEOUT_S = 240                       # fast tests: ~55 s unmutated on 2 busy cores
 EXTRA_TIMEOUT_S = 480                      # per slow extra file
 SANITY_MARKER = "mutation-check sanity: the copy's tree.py is imported"
 
-V, S, T, E = ("treegraft_mlx/verify.py", "treegraft_mlx/sampling.py", "treegraft_mlx/tree.py",
-              "treegraft_mlx/engine.py")
+V, S, T, E, H = ("treegraft_mlx/verify.py", "treegraft_mlx/sampling.py", "treegraft_mlx/tree.py",
+                 "treegraft_mlx/engine.py", "treegraft_mlx/history.py")
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "history.record(history.committed, logits[mx.array(acc.path)], following)",
            "history.record(history.committed, logits[mx.array(acc.path)], block)",
            "each position scored against its own token, not the one that followed"),
+    # --- history.py: the scores the n-gram drafter reads --------------------------------------
+    Mutant("history-deferred-own-token", H,
+           "following = np.concatenate([self.tokens[s + 1:s + 1 + h.shape[0]] for s, h in mine])",
+           "following = np.concatenate([self.tokens[s:s + h.shape[0]] for s, h in mine])",
+           "deferred rows scored against their own token, not the one that followed"),
+    Mutant("history-reuse-keeps-stale-score", H,
+           "return keep if same or deferred else keep - 1", "return keep",
+           "a reused prefix keeps its last position unscored when the token after it changed"),
+    Mutant("history-top10-rule-off-by-one", H,
+           "(x > own[:, None]).sum(-1) >= TOP_RANKS", "(x > own[:, None]).sum(-1) > TOP_RANKS",
+           "the 11th-ranked token counts as inside the top-10"),
     Mutant("commit-block-by-index", E, "block = [tree.token[i] for i in acc.path]",
            "block = [tree.token[i] for i in range(len(acc.path))]",
            "committed tokens read by position in the tree, not along the accepted path"),

@@ -10,8 +10,9 @@ from treegraft_mlx.bench import Run, summarize
 def fake_report(ar_tps: float = 40.0, ngram_tps: float = 50.0) -> dict:
     runs = []
     for cat, toks in (("copy", [1, 2, 3, 4, 1, 2, 3, 4]), ("function_completion", [5, 6, 7, 8])):
-        runs.append(Run(f"{cat}-0", cat, "ar", 0, 100, 100, 1.0, ar_tps, toks))
-        runs.append(Run(f"{cat}-0", cat, "ngram", 0, 100, 40, 2.5, ngram_tps, toks))
+        # 101 tokens: the prefill's first one, then 100 from the steps
+        runs.append(Run(f"{cat}-0", cat, "ar", 0, 101, 100, 1.0, ar_tps, toks))
+        runs.append(Run(f"{cat}-0", cat, "ngram", 0, 101, 40, 2.5, ngram_tps, toks))
     meta = {"date": "2026-11-29", "platform": "Linux", "device": "cpu", "blas": "openblas",
             "dtype": "mlx.core.float32", "mlx": "0.32", "tree": {"budget": 16}, "temp": 0.0,
             "top_p": 1.0, "command": "treegraft bench --prompts p.jsonl",
