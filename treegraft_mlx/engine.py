@@ -162,10 +162,9 @@ class Decoder:
         return sum(getattr(d, "calls", 0) for d in self.drafters) - self._calls_before
 
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
-        # The prompt rows' scores stay deferred (History.defer) until a drafter reads
-        # them, a block at a time: the first token never waits for them.
-        # The first block is the prefill's token, out at once (time to first token); every
-        # later block is what one target forward committed: accepted drafts, then the bonus.
+        # The first block is the prefill's token, out at once (the prompt rows' scores stay
+        # deferred until a drafter reads them); every later block is what one target forward
+        # committed: accepted drafts, then the bonus.
         root = self.session.prefill(prompt_ids, self.settings, self.rng)
         if self.strategy.kind == "ar":
             yield from self._ar_steps(root)
