@@ -42,3 +42,14 @@ def test_deferred_rows_are_scored_against_the_tokens_that_followed():
     assert h.logprob(3) == pytest.approx(want[3], abs=1e-4)
     assert np.allclose(h.scores(29), want, atol=1e-4)
     assert h.logprob(35) == 0.0
+
+
+def test_deferred_rows_past_the_capacity_grow_the_scores():
+    """AR steps defer rows past the history's first capacity (a long generation)."""
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 64, 24).tolist()
+    rows = rng.normal(0, 2, (23, 64)).astype(np.float32)
+    h = History(tokens, capacity=4)
+    h.defer(0, mx.array(rows), history_module.as_logits)
+    want = [reference(rows[p], tokens[p + 1]) for p in range(23)]
+    assert np.allclose(h.scores(23), want, atol=1e-4)

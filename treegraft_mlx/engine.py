@@ -370,7 +370,7 @@ class Decoder:
         stats.accepted = len(acc.path) - 1
         stats.t_verify, stats.t_accept = t2 - t1, self.clock() - t2
         self.stats.append(stats)
-        return block[1:] + [acc.bonus], acc
+        return block, acc
 
 
 @dataclass
@@ -478,7 +478,8 @@ class TreeBuild:
 def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
            acc: Acceptance) -> list[int]:
     """Commit the accepted path: compact the target cache, score the path's positions,
-    extend the history and tell the drafters. Returns the committed block (root first)."""
+    extend the history and tell the drafters. Returns what the history gained: the
+    accepted drafts, then the bonus."""
     history = session.history
     session.cache.keep(acc.path)
     block = [tree.token[i] for i in acc.path]
@@ -487,7 +488,7 @@ def commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
     history.extend(following)
     for d in drafters:
         d.observe(history, len(block))
-    return block
+    return following
 
 
 def accept_and_commit(session: Session, drafters: list, tree: DraftTree, logits: mx.array,
@@ -495,8 +496,7 @@ def accept_and_commit(session: Session, drafters: list, tree: DraftTree, logits:
     """A verified step, finished as decoding finishes it (the calibration loops): accept by
     the regime's rule, commit; (committed tokens after the root, plus the bonus; the bonus)."""
     acc = accept(tree, logits, settings, rng)
-    block = commit(session, drafters, tree, logits, acc)
-    return block[1:] + [acc.bonus], acc.bonus
+    return commit(session, drafters, tree, logits, acc), acc.bonus
 
 
 @dataclass

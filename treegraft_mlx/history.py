@@ -106,7 +106,7 @@ class History:
             at = 0
             for start, hidden in mine:
                 n = hidden.shape[0]
-                self.lp[start:start + n] = lps[at:at + n]
+                self.keep(start, lps[at:at + n])
                 at += n
 
     def logprob(self, position: int) -> float:
