@@ -318,13 +318,14 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
     from treegraft_mlx.pricing import Fallback
 
     fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
+    monkeypatch.setattr(Fallback, "PROBE_SHARE", float("inf"))   # ... doubling from 16
     monkeypatch.setitem(family.runtime_state, ("fallback", temp > 0, family.tree, "ngram"),
                         fallback)
     session = Session(family, family.tree)
     prompt = suite_prompts(1)[1]["prompt"]
     kw = dict(max_tokens=72, temp=temp, seed=5)
     out = generate(family, prompt, "ngram", session=session, **kw)
-    assert fallback.ar_stretches >= 2 and fallback.tree_steps >= 2 * Fallback.PROBE
+    assert fallback.ar_stretches >= 2 and fallback.tree_steps.sum() >= 2 * Fallback.PROBE
     if temp == 0:
         assert out.token_ids == generate(family, prompt, "ar", max_tokens=72).token_ids
     history = session.history
@@ -343,17 +344,51 @@ def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
 
     fallback = Fallback(ar_ms=20.0)
     taken = []
-    for _ in range(3 * Fallback.PROBE):                  # tree steps at 0.8 tokens per AR step
+    for _ in range(3 * Fallback.PROBE):          # tree steps at 0.95 tokens per AR step
         taken.append(fallback.next_stretch())
         if not taken[-1]:
-            fallback.observe_tree(1, 25.0)
+            fallback.observe_tree(1, 21.0)
     assert taken[:Fallback.PROBE] == [0] * Fallback.PROBE
     stretches = [n for n in taken if n]
     assert stretches == [Fallback.FIRST_STRETCH, 2 * Fallback.FIRST_STRETCH]   # doubling
     fallback.observe_ar(16, 16 * 30.0)                   # measured: AR slower than thought
     for _ in range(Fallback.PROBE):
-        fallback.observe_tree(1, 25.0)
+        fallback.observe_tree(1, 21.0)
     assert fallback.next_stretch() == 0 and fallback.stretch == Fallback.FIRST_STRETCH
+
+
+def test_a_far_slower_tree_gets_stretches_its_probes_cannot_spoil():
+    """Where tree steps lose much against AR steps (sampling), the stretch is as long as makes
+    the next probe cost at most PROBE_SHARE of it, from the first stretch of a generation."""
+    from treegraft_mlx.pricing import Fallback
+
+    fallback = Fallback(ar_ms=10.0)
+    for _ in range(Fallback.PROBE):
+        fallback.observe_tree(1, 20.0)                   # each probe step loses 10 ms
+    want = Fallback.PROBE * 10.0 / (Fallback.PROBE_SHARE * 10.0)
+    assert want > Fallback.FIRST_STRETCH
+    assert fallback.next_stretch() == want
+    fallback.new_text()
+    for _ in range(Fallback.PROBE):
+        assert fallback.next_stretch() == 0
+        fallback.observe_tree(1, 20.0)
+    assert fallback.next_stretch() == want               # not reset to FIRST_STRETCH
+
+
+def test_fallback_measures_tree_steps_in_loops_apart():
+    """Loops where drafts pay do not hide free text where they do not, and back."""
+    from treegraft_mlx.pricing import Fallback
+
+    fallback = Fallback(ar_ms=20.0)
+    assert fallback.faster(looping=True) and fallback.faster(looping=False)   # untried
+    for _ in range(Fallback.PROBE):
+        fallback.observe_tree(3, 30.0, looping=True)     # loops: 2 tokens per AR step
+        fallback.observe_tree(1, 30.0, looping=False)    # free text: 0.67
+    assert fallback.faster(looping=True) and not fallback.faster(looping=False)
+    assert fallback.next_stretch(looping=True) == 0
+    for _ in range(Fallback.PROBE):
+        fallback.observe_tree(1, 30.0, looping=False)
+    assert fallback.next_stretch(looping=False) > 0
 
 
 def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours():
@@ -364,10 +399,10 @@ def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours()
     assert poor == 0 and rich == len(CallPolicy.EDGES)
     speed = {0: 1 / 20, 1: 1.5 / 24, 2: 2.2 / 28, 3: 2.4 / 32, 4: 2.5 / 36, 5: 2.5 / 40}
     first = []
-    for _ in range(2 * CallPolicy.TRIES):
+    for _ in range(6 * CallPolicy.TRIES):
         first.append(policy.choose(poor))
         policy.observe(poor, first[-1], 1000 * speed[first[-1]], 1000.0)
-    assert first == [0] * CallPolicy.TRIES + [1] * CallPolicy.TRIES     # no call, then 1
+    assert first == [k for k in range(6) for _ in range(CallPolicy.TRIES)]   # every length
     seen = []
     for _ in range(40 * CallPolicy.EXPLORE_EVERY):                  # tokens per ms as above
         k = policy.choose(poor)
@@ -375,8 +410,34 @@ def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours()
         policy.observe(poor, k, 1000 * speed[k], 1000.0)
     assert policy.peek(poor) == 2 == max(set(seen), key=seen.count)  # climbed to the best
     assert {1, 3} <= set(seen) and 5 not in seen                     # explores neighbours only
+    dip = CallPolicy(max_k=3)               # a chain of 1 loses, longer ones pay: found anyway
+    dip_speed = {0: 1 / 20, 1: 1.1 / 24, 2: 2.2 / 28, 3: 2.3 / 34}
+    for _ in range(4 * CallPolicy.TRIES):
+        k = dip.choose(poor)
+        dip.observe(poor, k, 1000 * dip_speed[k], 1000.0)
+    assert dip.peek(poor) == 2
     assert policy.peek(rich) == 0                                    # its own evidence
     assert policy.rate(poor)[2] == pytest.approx(speed[2])
+
+
+def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
+    """The first call after the prompt (as after a plain stretch) syncs many committed tokens
+    into S's cache: that step prices the sync, not its chain length, so the call policy does
+    not learn from it; the calls after it, in step, it does."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    policy = CallPolicy(family.tree.depth)
+    monkeypatch.setattr(policy, "choose", lambda bucket: 2)
+    monkeypatch.setitem(family.runtime_state, ("calls", False, family.tree, False), policy)
+    ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
+    assert len(ids) > CallPolicy.STEADY_LAG
+    dec = Decoder(Session(family), parse_strategy("draft"), SamplerSettings(),
+                  np.random.default_rng(0))
+    steps = dec.steps(ids)
+    for _ in range(6):
+        next(steps)
+    called = [s for s in dec.stats if dec.drafters[-1].name in s.layers]
+    assert len(called) >= 2 and policy.tries[0, 2] == len(called) - 1
 
 
 def test_drafting_stops_when_it_does_not_pay_and_still_explores():

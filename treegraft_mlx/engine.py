@@ -229,7 +229,8 @@ class Decoder:
         self.fallback.new_text()
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            if carried is None and (n := self.fallback.next_stretch()):
+            looping = self._looping()
+            if carried is None and (n := self.fallback.next_stretch(looping)):
                 root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
@@ -244,7 +245,8 @@ class Decoder:
                     root, history, ngram=fresh and self.strategy.ngram,
                     in_flight=queued is not None)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
-                fresh = fresh and choice[1] == 0      # what the sizer learns n-gram costs from
+                # the sizer learns what n-gram drafting costs from steps that did not call
+                fresh = fresh and self.drafters[-1].name not in used
             elif not fresh:
                 full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
                 plan = self.sizer.plan(full, history.committed)
@@ -261,7 +263,7 @@ class Decoder:
                 block, acc = self._verify(tree, rows, StepStats(
                     0, len(tree), len(full), used, t1 - t0, 0.0, 0.0, t_schedule, rows,
                     plan.expected))
-                self._learn(choice, len(block), t0)
+                self._learn(choice, len(block), t0, looping)
                 yield block
                 root = acc.bonus
                 continue
@@ -277,17 +279,18 @@ class Decoder:
                 d.observe(history, 1)
             self.stats.append(StepStats(0, 1, len(full), used, t1 - t0, t2 - t1,
                                         self.clock() - t2, t_schedule, 1, plan.expected))
-            self._learn(choice, 1, t0)
+            self._learn(choice, 1, t0, looping)
             yield [nxt]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float) -> None:
-        """A tree step that began at `t0` committed `tokens`: the fallback and the call policy
-        (for the `choice` of a priced build) learn its rate."""
+    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float,
+               looping: bool) -> None:
+        """A tree step that began at `t0` (in a loop or not) committed `tokens`: the fallback
+        and the call policy (for the `choice` of a priced build) learn its rate."""
         ms = 1000 * (self.clock() - t0)
-        self.fallback.observe_tree(tokens, ms)
+        self.fallback.observe_tree(tokens, ms, looping)
         if choice is not None:
             self.calls.observe(*choice, tokens, ms)
 
@@ -296,7 +299,7 @@ class Decoder:
         """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
         the token. Each row's score is deferred (History.defer) until a drafter reads
         it. Continues a `queued` forward of `root`, if any. Ends early where the text starts
-        to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
+        to loop (its last n_max tokens occurred before), if tree steps in loops pay. Returns
         the new root and its forward if that is in flight (after an early end)."""
         history, done, busy = self.session.history, 0, 0.0
         try:
@@ -313,12 +316,16 @@ class Decoder:
                 done, busy = done + 1, busy + self.clock() - t0
                 yield [nxt]
                 t0, queued = self.clock(), after
-                if self.session.ngram.index.repeats(history.tokens):
-                    break           # the text loops: drafts may pay again; probe the tree
+                if self._looping() and self.fallback.faster(looping=True):
+                    break           # the text loops, where drafts paid: probe the tree
         finally:        # what ran is measured, also when the caller stops inside the stretch
             if done:
                 self.fallback.observe_ar(done, 1000 * busy)
         return history.root, queued
+
+    def _looping(self) -> bool:
+        """Whether the committed text's last n_max tokens occurred before (one lookup)."""
+        return self.session.ngram.index.repeats(self.session.history.tokens)
 
     def _remember(self, queued: "Queued", token: int) -> None:
         """What the drafters will read of an AR step whose forward drew `token`: its row,
@@ -337,10 +344,12 @@ class Decoder:
         return self.calls is not None and self.calls.peek(0) > 0
 
     def _priced_build(self, root: int, history: History, ngram: bool,
-                      in_flight: bool) -> tuple["TreeBuild", Plan, tuple[int, int]]:
+                      in_flight: bool) -> tuple["TreeBuild", Plan, Optional[tuple[int, int]]]:
         """The n-gram tree, and the strong drafter's chain grafted into it as long as the
         call policy chooses for the n-gram plan's bucket; planned by the Sizer; returned with
-        (bucket, chain length) for the policy to learn from. No call while the root's forward
+        (bucket, chain length) for the policy to learn from, or None where the call first
+        synced a long lag (committed tokens S's cache had not seen: after a plain stretch),
+        whose cost is the stretch's, not the chain length's. No call while the root's forward
         is `in_flight`: the drafter's forward would wait for it on the same stream and leave
         the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
         cfg, sizer = self.session.tree, self.sizer
@@ -353,10 +362,11 @@ class Decoder:
         k = self.calls.choose(bucket)
         k = 0 if in_flight else k
         build.t_schedule = self.clock() - t0       # the policy's own work
+        steady = self.drafters[-1].lag(history) <= self.calls.STEADY_LAG
         if k:
             build.graft_chain(self.drafters[-1], k, cfg, history)
             plan = sizer.plan(build.tree, history.committed)
-        return build, plan, (bucket, k)
+        return build, plan, (bucket, k) if steady or not k else None
 
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
         """Verify `tree` in one forward of `rows` rows, accept, commit; completes `stats`.

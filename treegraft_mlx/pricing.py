@@ -70,20 +70,23 @@ class CallPolicy:
     measurement (docs/design.md §9): per bucket of the n-gram plan's expected tokens (the
     drafter helps most where the n-gram drafter found little), the committed tokens per ms
     of the steps that made each choice, as slow moving averages of tokens and of wall time.
-    Throughput is unimodal in the chain length, so the search is local: no call and a chain
-    of 1 are tried TRIES times first; then the best length tried is taken, and every
-    EXPLORE_EVERY-th step of a bucket tries a neighbour (one shorter, one longer, in turn),
-    so longer chains are reached when they pay and no estimate goes stale. Measured, not
-    modelled: on a CPU a drafter forward costs a quarter of a target step and each row more
-    a tenth, so chains of 1-2 pay at best; on a flat verification curve longer ones do. The
+    Every length is tried TRIES times first (a chain of 1 can pay less than its step's fixed
+    cost while 2-3 pay: measured greedy, 0.078 tokens/ms for 0 and 1, 0.098 for 3); then the
+    best length measured is taken, and every EXPLORE_EVERY-th step of a bucket tries a
+    neighbour (one shorter, one longer, in turn), so no estimate goes stale. The
     estimates live on the family (per regime) and keep learning across generations: choices
     depend on what ran before, never on the current step's target logits (output stays
-    exact)."""
+    exact). A call after a plain stretch first syncs everything the stretch committed into
+    S's cache; that step is not measured (it prices the stretch, not the chain length), or
+    the only calls measured would be the slow ones after stretches and the policy would
+    never call again (measured: greedy `draft` called on 2% of steps, 0.95x `ar`, while a
+    fixed chain of 2 ran at 1.26x)."""
 
     EDGES = (1.1, 1.4, 1.8, 2.5)       # bucket bounds on the n-gram plan's expected tokens
     TRIES = 4
     EXPLORE_EVERY = 6
     EMA = 0.05
+    STEADY_LAG = 12     # a call that synced more committed tokens than this is not measured
 
     def __init__(self, max_k: int):
         shape = (len(self.EDGES) + 1, max_k + 1)
@@ -102,7 +105,7 @@ class CallPolicy:
     def peek(self, bucket: int) -> int:
         """What `choose` will answer next in `bucket`, without counting a step."""
         tries = self.tries[bucket]
-        for k in (0, 1):
+        for k in range(len(tries)):
             if tries[k] < self.TRIES:
                 return k
         rate = np.where(tries > 0, self.rate(bucket), -1.0)
@@ -132,23 +135,28 @@ class Fallback:
     steps against plain AR stretches, whichever is faster wins the next stretch. A sampled run
     accepts nothing on most steps, and a tree step's host work (the logits row, the history's
     log-probs, drafting, sizing) then costs more than a plain AR step; a stretch does exactly
-    what `ar` does. Every PROBE tree steps the rates are compared: while AR is faster the next
-    stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
-    once the tree is faster again, or a new generation starts, stretches restart short. A
-    stretch also ends where the text starts to loop (the decoder checks the n-gram index).
-    The AR rate starts from the cost table's AR step and is then measured. Lives on the
-    family (per regime and strategy): choices depend on measured times and the committed
-    text, never on the target's logits."""
+    what `ar` does. Tree steps are measured apart in free text and inside a loop (the text's
+    last n_max tokens occurred before), where n-gram drafts accept most when decoding is
+    greedy and little more than elsewhere when sampling. Every PROBE tree steps the rates of
+    the current context are compared: while AR is faster the next stretch runs, each twice as
+    long as the last (to MAX_STRETCH, so the probes' cost fades) and at least as long as
+    makes the next probe cost at most PROBE_SHARE of it; once the tree is faster again, or a
+    new generation starts, the doubling restarts. A stretch ends where the text
+    starts to loop if tree steps in loops are faster (or untried). The AR rate starts from the
+    cost table's AR step and is then measured. Lives on the family (per regime and strategy):
+    choices depend on measured times and the committed text, never on the target's logits."""
 
     PROBE = 4
     FIRST_STRETCH = 16
     MAX_STRETCH = 256
+    PROBE_SHARE = 0.05      # what probing may cost, as a share of the stretch before it
     EMA = 0.2
 
     def __init__(self, ar_ms: float):
-        self.tree = np.zeros(2)                 # moving averages of (tokens, ms) per tree step
+        self.tree = np.zeros((2, 2))            # per context (free, loop): EMA (tokens, ms)
+        self.tree_steps = np.zeros(2, dtype=np.int64)   # tree steps measured per context
         self.ar = np.array([1.0, ar_ms])        # ... per AR step, over stretches
-        self.tree_steps = self.ar_stretches = 0
+        self.ar_stretches = 0
         self.since = 0                          # tree steps since the last decision
         self.stretch = self.FIRST_STRETCH
 
@@ -156,10 +164,13 @@ class Fallback:
         """A generation starts: its text, not the last one's, decides how long stretches get."""
         self.since, self.stretch = 0, self.FIRST_STRETCH
 
-    def observe_tree(self, tokens: int, ms: float) -> None:
-        self.tree_steps += 1
+    def observe_tree(self, tokens: int, ms: float, looping: bool = False) -> None:
+        """A tree step that began in free text or in a loop committed `tokens` in `ms`."""
+        c = int(looping)
+        self.tree_steps[c] += 1
         self.since += 1
-        self.tree += max(self.EMA, 1.0 / self.tree_steps) * (np.array([tokens, ms]) - self.tree)
+        w = max(self.EMA, 1.0 / self.tree_steps[c])
+        self.tree[c] += w * (np.array([tokens, ms]) - self.tree[c])
 
     def observe_ar(self, tokens: int, ms: float) -> None:
         """A stretch committed `tokens` in `ms` of wall time."""
@@ -167,18 +178,30 @@ class Fallback:
         w = max(0.5, 1.0 / self.ar_stretches)
         self.ar += w * (np.array([1.0, ms / tokens]) - self.ar)
 
-    def faster(self) -> bool:
-        """Whether tree steps have measured faster than AR steps."""
-        return self.tree[0] * self.ar[1] >= self.tree[1]
+    def faster(self, looping: bool = False) -> bool:
+        """Whether tree steps in this context have measured faster than AR steps (untried
+        counts as faster: it gets probed)."""
+        c = int(looping)
+        return self.tree_steps[c] == 0 or self.tree[c, 0] * self.ar[1] >= self.tree[c, 1]
 
-    def next_stretch(self) -> int:
+    def next_stretch(self, looping: bool = False) -> int:
         """AR steps to take now: 0 (a tree step) except every PROBE tree steps, when AR has
-        measured faster."""
+        measured faster in the current context."""
         if self.since < self.PROBE:
             return 0
         self.since = 0
-        if self.faster():
+        if self.faster(looping):
             self.stretch = self.FIRST_STRETCH
             return 0
-        n, self.stretch = self.stretch, min(2 * self.stretch, self.MAX_STRETCH)
+        n = min(max(self.stretch, self.paying_stretch(looping)), self.MAX_STRETCH)
+        self.stretch = min(2 * self.stretch, self.MAX_STRETCH)
         return n
+
+    def paying_stretch(self, looping: bool = False) -> int:
+        """The shortest stretch after which the next probe's PROBE tree steps lose at most
+        PROBE_SHARE of the stretch's time, at the measured rates: where tree steps are far
+        slower (sampling), stretches start long, also in a new generation."""
+        c = int(looping)
+        tokens, ms = self.tree[c]
+        lost_ms = ms - tokens * self.ar[1]          # per tree step, against AR steps
+        return int(np.ceil(self.PROBE * max(0.0, lost_ms) / (self.PROBE_SHARE * self.ar[1])))

@@ -55,6 +55,10 @@ class ModelDrafter:
             self.cache.reset(self._step.committed)
             self._step = None
 
+    def lag(self, history: History) -> int:
+        """Committed tokens its cache has not seen yet: the next call's prefix to sync."""
+        return history.committed - self.cache.offset
+
     def rewind(self, length: int) -> None:
         """The history was rewritten after `length` tokens: drop what the cache holds past it."""
         self.observe(None, 0)
