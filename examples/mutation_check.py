@@ -42,7 +42,7 @@ EXTRA_TIMEOUT_S = 480                      # per slow extra file
 SANITY_MARKER = "mutation-check sanity: the copy's tree.py is imported"
 
 V, S, T, E, H = ("treegraft_mlx/verify.py", "treegraft_mlx/sampling.py", "treegraft_mlx/tree.py",
-                 "treegraft_mlx/engine.py", "treegraft_mlx/history.py")
+                 "treegraft_mlx/decoder.py", "treegraft_mlx/history.py")
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "values[1] = p", "pruned subtree keeps the old parent indices"),
     Mutant("treemask-words-floor", T, "words = max(1, -(-rows // 32))",
            "words = max(1, rows // 32)", "bit words rounded down: rows past 32 lose mask bits"),
-    # --- engine.py: the acceptance / commit path ----------------------------------------------
+    # --- decoder.py: the acceptance / commit path ----------------------------------------------
     Mutant("commit-keeps-prefix-rows", E, "session.cache.keep(acc.path)",
            "session.cache.keep(range(len(acc.path)))",
            "wrong cache.keep path: the first len(path) rows kept, not the accepted nodes' rows"),
@@ -164,15 +164,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "committed tokens read by position in the tree, not along the accepted path"),
     Mutant("accept-and-commit-returns-root", E, "    return following\n",
            "    return block + [acc.bonus]\n",
-           "commit (so accept_and_commit and the decoder) also returns the root (already committed)"),
-    Mutant("decoder-stats-accepted", E, "stats.accepted = len(acc.path) - 1",
-           "stats.accepted = len(acc.path)", "accepted drafts counted with the root"),
-    Mutant("decoder-greedy-rule", E, "acc = accept(tree, logits, self.settings, self.rng)",
-           "acc = accept(tree, logits, SamplerSettings(), self.rng)",
-           "the decoder accepts with default (greedy) settings whatever the regime", LOSSLESS),
+           "commit (so tree_step and the decoder) also returns the root (already committed)"),
+    Mutant("decoder-stats-accepted", E, "stats.accepted = len(step.acceptance.path) - 1",
+           "stats.accepted = len(step.acceptance.path)", "accepted drafts counted with the root"),
+    Mutant("decoder-greedy-rule", E, "acc = accept(tree, logits, settings, rng)",
+           "acc = accept(tree, logits, SamplerSettings(), rng)",
+           "the tree step accepts with default (greedy) settings whatever the regime", LOSSLESS),
     Mutant("decoder-drops-padding", E,
-           "logits = verify(self.target, self.session.cache, tree, rows)",
-           "logits = verify(self.target, self.session.cache, tree)",
+           "logits = verify(session.family.target, session.cache, tree, rows)",
+           "logits = verify(session.family.target, session.cache, tree)",
            "the chosen padded block size is ignored (performance only, outputs unchanged)"),
 )
 

@@ -46,10 +46,10 @@ def _private_timing_cache(tmp_path_factory):
 def _scripted_costs():
     """Every family loaded in-process gets the scripted step costs and T_tgt / T_mid (the
     CLI tests' subprocesses still run the real probe, and test_scheduler checks it is called)."""
-    from treegraft_mlx import engine
+    from treegraft_mlx import probe
     from treegraft_mlx.timing import Timing
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine, "measure_step_costs", scripted_step_costs)
-        mp.setattr(engine, "measure_timing", lambda family, tree: Timing(36.4, 7.9))
+        mp.setattr(probe, "measure_step_costs", scripted_step_costs)
+        mp.setattr(probe, "measure_timing", lambda family, tree: Timing(36.4, 7.9))
         yield

@@ -3,15 +3,18 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from checkpoints import make_checkpoint, write_tokenizer
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
-from treegraft_mlx.engine import stream_generate
+from treegraft_mlx.decoder import parse_strategy
+from treegraft_mlx.engine import make_decoder
 from treegraft_mlx.cli import main
 from treegraft_mlx.generate import chat_prompt, encode_prompt
+from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.session import Session
 
 SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
@@ -224,10 +227,9 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     assert sampled_meta["sampling"]["temp"] == 0.7 and meta["sampling"]["temp"] == 0.0
     family = load(bundle)
     for temp, artifact in ((0.0, "scheduler"), (0.7, "scheduler-sampled")):
-        holder = []
-        list(stream_generate(family, "def f(x):\n", "treegraft-learned", max_tokens=4,
-                             temp=temp, seed=0, decoder_out=holder))
-        assert holder[0].schedule.mlp is family.scheduler(temp > 0)[0]
+        decoder = make_decoder(Session(family), parse_strategy("treegraft-learned"),
+                               SamplerSettings(temp), np.random.default_rng(0))
+        assert decoder.schedule.mlp is family.scheduler(temp > 0)[0]
         assert family.scheduler(temp > 0)[1]["sampling"]["temp"] == temp
     r = run("export-coreml", "--model", str(bundle), "--sampled", "--out",
             str(tmp_path / "s2.mlpackage"))

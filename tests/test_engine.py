@@ -14,7 +14,8 @@ from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.bench import first_per_category, read_prompts
 from treegraft_mlx.drafters import ModelDrafter
-from treegraft_mlx.engine import Decoder, parse_strategy
+from treegraft_mlx.decoder import Decoder, parse_strategy
+from treegraft_mlx.engine import make_decoder
 from treegraft_mlx.session import Session
 from treegraft_mlx.generate import stream
 from treegraft_mlx.history import History
@@ -78,8 +79,8 @@ def test_the_first_token_is_out_before_any_step(family, strategy):
     token alone, yielded before any step ran (greedy: `ar`'s first token)."""
     prompt = suite_prompts(1)[0]["prompt"]
     want = generate(family, prompt, "ar", max_tokens=1).token_ids
-    dec = Decoder(Session(family), parse_strategy(strategy), SamplerSettings(),
-                  np.random.default_rng(0))
+    dec = make_decoder(Session(family), parse_strategy(strategy), SamplerSettings(),
+                       np.random.default_rng(0))
     steps = dec.steps(family.tokenizer.encode(prompt))
     assert next(steps) == want and dec.stats == []
     assert len(next(steps)) >= 1 and len(dec.stats) == 1
@@ -129,8 +130,8 @@ def test_strong_drafter_cache_sync_after_skipped_calls(family):
     """After many steps with skipped calls, S's logits equal a fresh forward."""
     prompt = suite_prompts(1)[0]["prompt"]
     session = Session(family)
-    dec = Decoder(session, parse_strategy("treegraft-fixed:4"), SamplerSettings(),
-                  np.random.default_rng(0))
+    dec = make_decoder(session, parse_strategy("treegraft-fixed:4"), SamplerSettings(),
+                       np.random.default_rng(0))
     steps = dec.steps(family.tokenizer.encode(prompt))
     for _ in range(12):
         next(steps)
@@ -186,10 +187,10 @@ def test_commit_records_what_the_target_saw_and_counts_blocks(family):
     assert blocks[-2] < len(out.token_ids) <= blocks[-1]
 
 
-def test_accept_and_commit_returns_what_the_history_gained(family):
-    """The calibration loops' step returns exactly the tokens appended after the root."""
-    from treegraft_mlx.engine import accept_and_commit
-    from treegraft_mlx.verify import verify
+def test_the_tree_step_returns_what_the_history_gained(family):
+    """The step every loop shares returns exactly the tokens appended after the root."""
+    from treegraft_mlx.decoder import tree_step
+    from treegraft_mlx.drafters import Drafters
 
     session = Session(family)
     ids = family.tokenizer.encode(suite_prompts(1)[1]["prompt"])
@@ -197,9 +198,9 @@ def test_accept_and_commit_returns_what_the_history_gained(family):
     tree = DraftTree.rooted_at(root)
     session.ngram.expand(tree, [0], 1, session.history)
     before = len(session.history.tokens)
-    logits = verify(family.target, session.cache, tree)
-    new, bonus = accept_and_commit(session, [session.ngram], tree, logits, SamplerSettings(),
-                                   np.random.default_rng(0))
+    step = tree_step(session, Drafters(session.ngram), tree, len(tree), SamplerSettings(),
+                     np.random.default_rng(0))
+    new, bonus = step.block, step.acceptance.bonus
     assert session.history.tokens[before:] == new and new[-1] == bonus == session.history.root
 
 
@@ -319,8 +320,7 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
 
     fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
     monkeypatch.setattr(Fallback, "PROBE_SHARE", float("inf"))   # ... doubling from 16
-    monkeypatch.setitem(family.runtime_state, ("fallback", temp > 0, family.tree, "ngram"),
-                        fallback)
+    monkeypatch.setitem(family.learned.fallbacks, (temp > 0, family.tree, "ngram"), fallback)
     session = Session(family, family.tree)
     prompt = suite_prompts(1)[1]["prompt"]
     kw = dict(max_tokens=72, temp=temp, seed=5)
@@ -334,8 +334,7 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
     assert np.abs(history.scores(n) - want).max() < 1e-3
     if temp > 0:
         again = Fallback(ar_ms=1e-6)
-        monkeypatch.setitem(family.runtime_state, ("fallback", True, family.tree, "ngram"),
-                            again)
+        monkeypatch.setitem(family.learned.fallbacks, (True, family.tree, "ngram"), again)
         assert generate(family, prompt, "ngram", **kw).token_ids == out.token_ids
 
 
@@ -428,15 +427,15 @@ def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
 
     policy = CallPolicy(family.tree.depth)
     monkeypatch.setattr(policy, "choose", lambda bucket: 2)
-    monkeypatch.setitem(family.runtime_state, ("calls", False, family.tree, False), policy)
+    monkeypatch.setitem(family.learned.call_policies, (False, family.tree, False), policy)
     ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
     assert len(ids) > CallPolicy.STEADY_LAG
-    dec = Decoder(Session(family), parse_strategy("draft"), SamplerSettings(),
-                  np.random.default_rng(0))
+    dec = make_decoder(Session(family), parse_strategy("draft"), SamplerSettings(),
+                       np.random.default_rng(0))
     steps = dec.steps(ids)
     for _ in range(6):
         next(steps)
-    called = [s for s in dec.stats if dec.drafters[-1].name in s.layers]
+    called = [s for s in dec.stats if s.chain]
     assert len(called) >= 2 and policy.tries[0, 2] == len(called) - 1
 
 
@@ -461,7 +460,7 @@ def test_drafting_stops_when_it_does_not_pay_and_still_explores():
 
 
 def test_probe_plan_scales_to_the_model():
-    from treegraft_mlx.engine import PROBE_SECONDS, plan_probe
+    from treegraft_mlx.probe import PROBE_SECONDS, plan_probe
 
     quick = plan_probe(20.0, 32)  # tg-tiny here: one row ~20 ms, the full probe
     assert quick.sizes[:12] == tuple(range(1, 13)) and quick.sizes[-1] == 32

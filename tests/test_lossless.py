@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from scripted import deterministic
-from treegraft_mlx import engine, fixture_path, generate, load
+from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
 from treegraft_mlx.session import Session
@@ -57,7 +57,7 @@ FLAT = StepCosts(tuple(range(1, 33)), (22.5,) * 16 + (30.0,) * 16, ar_ms=22.2, o
 
 @pytest.fixture(autouse=True)
 def flat_costs(monkeypatch):
-    monkeypatch.setattr(engine, "step_costs", lambda family, tree, refresh=False: FLAT)
+    monkeypatch.setattr(probe, "step_costs", lambda family, tree, refresh=False: FLAT)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from treegraft_mlx import fixture_path, load
-from treegraft_mlx.pipeline import PipelineError, plan_stages
+from treegraft_mlx.pipeline import (CAUSAL, CONTROL, NO_MASK, TREE, Frame, PipelineError,
+                                    plan_stages)
 
 RUNNER = Path(__file__).parent / "pipeline_runner.py"
 needs_launch = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="no mlx.launch")
@@ -31,6 +33,32 @@ def json_line(text: str) -> dict:
     lines = [line for line in text.splitlines() if line.startswith("{")]
     assert len(lines) == 1, text[-2000:]
     return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("frame", [
+    Frame(cache=2, rows=3, context=40, mask_kind=TREE, ops=[2, 2, 41, 3, 2, 2, 0, 1],
+          positions=[40, 41, 41], mask_bits=np.array([[1], [3], [5]], dtype=np.uint32),
+          logits_rows=[0, 2]),
+    Frame(cache=1, rows=5, context=0, mask_kind=CAUSAL, ops=[1, 1, 0]),
+    Frame(rows=1, context=7, mask_kind=NO_MASK, logits_rows=[]),
+])
+def test_a_frame_reads_back_as_it_was_packed(frame):
+    """What a rank sends is what the next one reads: control words that size the payload,
+    the payload, then the hidden states' bytes."""
+    import mlx.core as mx
+
+    hidden = mx.arange(frame.rows * 4, dtype=mx.float32).reshape(1, frame.rows, 4)
+    wire = np.array(frame.pack(hidden)).tolist()
+    control = wire[:CONTROL]
+    n = Frame.sizes(control)
+    back = Frame.read(control, wire[CONTROL:CONTROL + n])
+    assert back.control() == frame.control() and back.payload() == frame.payload()
+    assert (back.ops, back.positions, back.logits_rows) == (frame.ops, frame.positions,
+                                                            frame.logits_rows)
+    got = mx.array(wire[CONTROL + n:], dtype=mx.int32).view(mx.float32)
+    assert got.tolist() == hidden.reshape(-1).tolist()
+    if frame.mask_kind == TREE:
+        assert (back.mask().bits == frame.mask_bits).all() and back.mask().context == 40
 
 
 @pytest.fixture(scope="module")

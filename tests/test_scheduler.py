@@ -273,7 +273,7 @@ def test_step_costs_pad_and_price_each_size():
 
 
 def test_costs_are_measured_when_a_family_loads(tmp_path, monkeypatch):
-    from treegraft_mlx import engine as E
+    from treegraft_mlx import probe as E
 
     measured = []
     monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))

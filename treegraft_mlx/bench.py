@@ -21,6 +21,7 @@ import mlx.core as mx
 from .device import blas_library
 from .engine import generate
 from .family import Family, TreeConfig
+from .sampling import SamplerSettings
 from .timing import pad_map, verification_latency
 
 MLX_LM_SPEC_KS = range(1, 9)
@@ -102,13 +103,15 @@ def loop_split(tokens: list[int], blocks: list[int], n: int = 4) -> tuple[int, i
     return steps, inside
 
 
-def _mlx_lm_runner(family: Family, temp: float, top_p: float):
+def _mlx_lm_runner(family: Family, settings: SamplerSettings):
     """mlx_lm's own generation (AR, or speculative with the same strong drafter) on the same
     weights, in the same compute dtype as this runtime."""
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     models = {}
+    sampler = make_sampler(temp=settings.temp, top_p=settings.top_p, min_p=settings.min_p,
+                           top_k=settings.top_k)
 
     def model(role: str):
         if role not in models:
@@ -126,7 +129,7 @@ def _mlx_lm_runner(family: Family, temp: float, top_p: float):
             kwargs = {"draft_model": model(strong), "num_draft_tokens": draft}
         for r in mlx_lm.stream_generate(model("target"), family.tokenizer, ids,
                                         max_tokens=max_tokens,
-                                        sampler=make_sampler(temp=temp, top_p=top_p), **kwargs):
+                                        sampler=sampler, **kwargs):
             if not ttft:
                 ttft = r.prompt_tokens / r.prompt_tps
             if r.token in family.tokenizer.eos_token_ids:
@@ -139,7 +142,7 @@ def _mlx_lm_runner(family: Family, temp: float, top_p: float):
 
 
 def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_tokens: int,
-              repeat: int = 1, warmup: int = 1, temp: float = 0.0, top_p: float = 1.0,
+              repeat: int = 1, warmup: int = 1, settings: SamplerSettings = SamplerSettings(),
               seed: int = 0, tree: Optional[TreeConfig] = None,
               progress: Optional[Callable[[int], None]] = None) -> list[Run]:
     """All (repeat, prompt, strategy) runs; strategies alternate order between repeats.
@@ -150,7 +153,7 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
     bundle's tree pruned to its fixed budget every step, to show what per-step sizing buys.
     `mlx_lm_spec` runs every num_draft_tokens in 1..8 (summarize picks from them).
     """
-    mlx_run = _mlx_lm_runner(family, temp, top_p)
+    mlx_run = _mlx_lm_runner(family, settings)
     runs: list[Run] = []
 
     def one(p: dict, s: str, r: int) -> Run:
@@ -166,7 +169,7 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
         if shape not in SHAPES:
             raise ValueError(f"unknown tree shape {shape!r} in {s!r} (choose from "
                              f"{', '.join(x for x in SHAPES if x)})")
-        res = generate(family, p["prompt"], name, max_tokens=max_tokens, temp=temp, top_p=top_p,
+        res = generate(family, p["prompt"], name, max_tokens=max_tokens, settings=settings,
                        seed=seed, tree=SHAPES[shape](tree or family.tree))
         st = res.step_stats
         loops = loop_split(res.token_ids, [1] + [x.accepted + 1 for x in st])  # prefill's first

@@ -51,14 +51,18 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .bench import machine_info
-from .engine import TreeBuild, accept_and_commit, generate
+from .build import TreeBuild
+from .calibration import play, resume
+from .decoder import VerifiedStep, tree_step
+from .drafters import Drafters
+from .engine import generate
 from .family import Family, TreeConfig
 from .sampling import SamplerSettings, target_probs
-from .scheduler import (FEATURE_NAMES, FixedSchedule, LayerState, LearnedSchedule,
+from .scheduler import (FEATURE_NAMES, FixedSchedule, LearnedSchedule,
                         SchedulerMLP, features, mlp_forward)
 from .session import Session
 from .timing import LatencyCurve, Timing, verification_latency
-from .tree import DraftTree, prune
+from .tree import prune
 from .verify import expected_path_length, verify
 
 REFERENCE = FixedSchedule(frozenset())   # after a decision, the weak drafter builds the rest
@@ -82,7 +86,7 @@ class Branches:
         return self.tokens_call / self.ms_call - self.tokens_skip / self.ms_skip
 
 
-def _play(session: Session, drafters: list, build: TreeBuild, layer: int, call: bool,
+def _play(session: Session, drafters: Drafters, build: TreeBuild, layer: int, call: bool,
           curve: LatencyCurve, spent_ms: float, settings: SamplerSettings) -> tuple[float, float]:
     """Finish the step from `build` with this layer called or skipped; (expected committed
     tokens under the regime's acceptance, step ms)."""
@@ -106,20 +110,16 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
     decision point on the way."""
     cfg = session.tree
     strong = session.strong
-    drafters = [session.ngram, strong]
-    root = session.prefill(ids, settings, rng)
+    drafters = Drafters(session.ngram, strong)
     rows: list[dict] = []
-    generated = 0
-    eos = set(session.family.tokenizer.eos_token_ids)
-    while generated < max_tokens:
+
+    def step(root: int) -> VerifiedStep:
         history = session.history
-        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+        build = TreeBuild.rooted_at(root)
         spent_ms = 0.0
         for layer in range(1, cfg.depth + 1):
             if len(build.called) < b0:
-                state = LayerState(layer, cfg.depth, history.committed, build.called,
-                                   build.tree, build.frontier, cfg.top_k, cfg.lookback)
-                x = features(state, timing.t_tgt_ms, timing.t_mid_ms)
+                x = features(build.state(layer, cfg, history), timing.t_tgt_ms, timing.t_mid_ms)
                 snap = strong.snapshot()
                 call = _play(session, drafters, build.copy(), layer, True, curve, spent_ms,
                              settings)
@@ -136,31 +136,10 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
                          drafters, cfg, history)
             spent_ms += 1000 * (time.perf_counter() - t0)
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
-        logits = verify(session.family.target, session.cache, tree, cfg.rows_for(len(tree)))
-        new, root = accept_and_commit(session, drafters, tree, logits, settings, rng)
-        generated += len(new)
-        if eos & set(new):
-            break
+        return tree_step(session, drafters, tree, cfg.rows_for(len(tree)), settings, rng)
+
+    play(session, ids, settings, rng, max_tokens, step)
     return rows
-
-
-def read_entries(path: Path) -> dict[str, dict]:
-    """Entries of a resumable JSONL log, one per prompt id; a torn last line (an interrupted
-    write) is ignored."""
-    done: dict[str, dict] = {}
-    if Path(path).exists():
-        for line in Path(path).read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue
-            done[entry["prompt_id"]] = entry
-    return done
-
-
-def read_dataset(out_dir: Path) -> dict[str, list[dict]]:
-    """Rows per prompt id."""
-    return {k: e["rows"] for k, e in read_entries(Path(out_dir) / DATASET).items()}
 
 
 def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,
@@ -172,15 +151,6 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
     an error, not a mixed dataset."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    regime_file = out_dir / "sampling.json"
-    if regime_file.exists():
-        labelled = SamplerSettings(**json.loads(regime_file.read_text()))
-        if labelled != settings:
-            raise ValueError(f"{out_dir} was labelled with {labelled}, not {settings}; "
-                             "use another work directory")
-    else:
-        _write_json(regime_file, asdict(settings))
-    done = read_dataset(out_dir)
     curve_file = out_dir / "latency.json"
     if curve_file.exists():
         points = {int(k): v for k, v in json.loads(curve_file.read_text()).items()}
@@ -188,19 +158,15 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
         points = verification_latency(family.target, sizes=(1, 4, 8, 16, 32, 64))
         _write_json(curve_file, points)
     curve = LatencyCurve(points)
-    with open(out_dir / DATASET, "a") as f:
-        for i, p in enumerate(prompts):
-            if p["id"] not in done:
-                session = Session(family, family.tree)
-                rng = np.random.default_rng([seed, i])
-                ids = family.tokenizer.encode(p["prompt"])
-                rows = label_prompt(session, ids, timing, curve, max_tokens, b0, rng, settings)
-                f.write(json.dumps({"prompt_id": p["id"], "rows": rows}) + "\n")
-                f.flush()
-                done[p["id"]] = rows
-            if progress:
-                progress(1)
-    return done
+
+    def run(i: int, p: dict) -> dict:
+        rows = label_prompt(Session(family, family.tree), family.tokenizer.encode(p["prompt"]),
+                            timing, curve, max_tokens, b0, np.random.default_rng([seed, i]),
+                            settings)
+        return {"rows": rows}
+
+    done = resume(out_dir / DATASET, prompts, settings, run, progress)
+    return {k: e["rows"] for k, e in done.items()}
 
 
 def train_mlp(dataset: dict[str, list[dict]], holdout: float = 0.25, epochs: int = 1000,

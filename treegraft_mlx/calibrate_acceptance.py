@@ -13,7 +13,7 @@ decoding would, so the text follows the regime's own trajectory. The log is writ
 
 from __future__ import annotations
 
-import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -21,14 +21,15 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import calibrate_regime, node_features, regime
-from .calibrate import read_entries
-from .engine import TreeBuild, accept_and_commit
+from .build import TreeBuild
+from .calibration import play, resume
+from .decoder import VerifiedStep, tree_step
+from .drafters import Drafters
 from .family import Family
 from .sampling import SamplerSettings, target_probs
 from .scheduler import FixedSchedule
 from .session import Session
-from .tree import DraftTree, prune
-from .verify import verify
+from .tree import prune
 
 CALL_PROB = 0.3
 CHAIN_PROB = 0.5
@@ -38,31 +39,29 @@ MAX_LOGGED_NODES = 48
 def log_prompt(session: Session, ids: list[int], settings: SamplerSettings, max_tokens: int,
                rng: np.random.Generator) -> dict:
     """Features and labels of every verified drafted node while generating up to max_tokens."""
-    cfg, family = session.tree, session.family
-    drafters = [session.ngram] + ([session.strong] if session.strong is not None else [])
-    root = session.prefill(ids, settings, rng)
-    eos = set(family.tokenizer.eos_token_ids)
-    xs, ys, generated = [], [], 0
-    while generated < max_tokens:
+    cfg = session.tree
+    drafters = Drafters(session.ngram, session.strong)
+    xs, ys = [], []
+
+    def step(root: int) -> VerifiedStep:
         history = session.history
         layers = frozenset(j for j in range(1, cfg.depth + 1)
-                           if len(drafters) > 1 and rng.random() < CALL_PROB)
-        build = TreeBuild(DraftTree.rooted_at(root), [0], [], [])
+                           if drafters.strong is not None and rng.random() < CALL_PROB)
+        build = TreeBuild.rooted_at(root)
         build.expand(range(1, cfg.depth + 1), FixedSchedule(layers), drafters, cfg, history)
-        if len(drafters) > 1 and rng.random() < CHAIN_PROB:
-            build.graft_chain(drafters[-1], cfg.depth, cfg, history)
+        if drafters.strong is not None and rng.random() < CHAIN_PROB:
+            build.graft_chain(drafters.strong, cfg.depth, cfg, history)
         tree = build.tree.subtree(prune(build.tree, MAX_LOGGED_NODES))
-        logits = verify(family.target, session.cache, tree, len(tree))
-        parent, token = np.asarray(tree.parent[1:]), np.asarray(tree.token[1:])
+        verified = tree_step(session, drafters, tree, len(tree), settings, rng)
         if len(tree) > 1:
-            probs = target_probs(logits[mx.array(parent)], settings)
+            parent, token = np.asarray(tree.parent[1:]), np.asarray(tree.token[1:])
+            probs = target_probs(verified.logits[mx.array(parent)], settings)
             label = mx.take_along_axis(probs, mx.array(token)[:, None], -1)[:, 0]
             xs.append(node_features(tree, cfg.n_max, cfg.depth)[1:])
             ys.append(np.array(label, dtype=np.float64))
-        new, root = accept_and_commit(session, drafters, tree, logits, settings, rng)
-        generated += len(new)
-        if eos & set(new):
-            break
+        return verified
+
+    play(session, ids, settings, rng, max_tokens, step)
     x = np.concatenate(xs) if xs else np.zeros((0, 0))
     return {"x": x.round(6).tolist(), "y": np.concatenate(ys).round(6).tolist() if ys else []}
 
@@ -72,32 +71,17 @@ def calibrate_acceptance(family: Family, prompts: list[dict], work_dir: Path,
                          progress: Optional[Callable[[int], None]] = None) -> dict:
     """Log (resumably) and fit the regime `settings` decodes in; returns its report (weights,
     held-out log-loss against a constant, reliability per bin)."""
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    name = regime(not settings.greedy)
-    log_file = work_dir / f"{name}.jsonl"
-    done = read_entries(log_file)
-    if done and next(iter(done.values())).get("sampling") != vars(settings):
-        raise ValueError(f"{log_file} was logged with other sampling settings; use another "
-                         "work directory")
-    with open(log_file, "a") as f:
-        for i, p in enumerate(prompts):
-            if p["id"] not in done:
-                session = Session(family, family.tree)
-                ids = family.tokenizer.encode(p["prompt"])
-                entry = {"prompt_id": p["id"], "sampling": vars(settings),
-                         **log_prompt(session, ids, settings, max_tokens,
-                                      np.random.default_rng([seed, i]))}
-                f.write(json.dumps(entry) + "\n")
-                f.flush()
-                done[p["id"]] = entry
-            if progress:
-                progress(1)
+    def run(i: int, p: dict) -> dict:
+        return log_prompt(Session(family, family.tree), family.tokenizer.encode(p["prompt"]),
+                          settings, max_tokens, np.random.default_rng([seed, i]))
+
+    log_file = Path(work_dir) / f"{regime(not settings.greedy)}.jsonl"
+    done = resume(log_file, prompts, settings, run, progress)
     rows = [(i, done[p["id"]]) for i, p in enumerate(prompts) if done[p["id"]]["y"]]
     x = np.concatenate([np.asarray(e["x"]) for _, e in rows])
     y = np.concatenate([np.asarray(e["y"]) for _, e in rows])
     groups = np.concatenate([np.full(len(e["y"]), i) for i, e in rows])
     report = calibrate_regime(x, y, groups, seed=seed)
-    report["sampling"] = vars(settings)
+    report["sampling"] = asdict(settings)
     report["prompts"] = len(rows)
     return report

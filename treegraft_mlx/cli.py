@@ -74,12 +74,16 @@ def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: b
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--verbose", is_flag=True, help="Print a statistics line to stderr.")
 @click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
+@click.option("--trace", is_flag=True,
+              help="Print every step's decisions to stderr (also: TREEGRAFT_TRACE=1).")
 def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_tokens, temp,
-             top_p, top_k, min_p, seed, stop, chat_template, as_json, verbose, color) -> None:
+             top_p, top_k, min_p, seed, stop, chat_template, as_json, verbose, color,
+             trace) -> None:
     """Generate text from a prompt, streamed to stdout."""
     from .engine import stream_generate
-    from .generate import chat_prompt
+    from .generate import chat_prompt, summary
     from .pipeline import PipelineError
+    from .sampling import SamplerSettings
 
     family = load_family(model, draft_models, autotune, pipeline)
     if family is None:
@@ -88,11 +92,11 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
         prompt = sys.stdin.read()
     if chat_template and getattr(family.tokenizer, "chat_template", None):
         prompt = chat_prompt(family.tokenizer, [{"role": "user", "content": prompt}])
-    text, ids, last, decoders = "", [], None, []
+    text, ids, last = "", [], None
     try:
-        for r in stream_generate(family, prompt, strategy, max_tokens=max_tokens, temp=temp,
-                                 top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                 stop=stop, decoder_out=decoders):
+        for r in stream_generate(family, prompt, strategy, max_tokens=max_tokens,
+                                 settings=SamplerSettings(temp, top_p, top_k, min_p), seed=seed,
+                                 stop=stop, trace=trace or None):
             text += r.text
             ids += r.tokens
             last = r
@@ -102,12 +106,7 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
         raise click.ClickException(str(e)) from None
     steps = last.steps if last else 0
     if as_json:
-        click.echo(json.dumps({
-            "text": text, "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
-            "generation_tokens": len(ids), "steps": steps,
-            "mean_accepted": last.mean_accepted if last else 0.0,
-            "tokens_per_sec": last.generation_tps if last else 0.0, "strategy": strategy,
-            "drafter_calls": decoders[0].drafter_calls if decoders else 0}))
+        click.echo(json.dumps({"text": text, "token_ids": ids, **summary(last, strategy)}))
     else:
         click.echo()
     if verbose and last:
@@ -136,12 +135,14 @@ def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, to
     """
     from .engine import stream_generate
     from .generate import chat_prompt
+    from .sampling import SamplerSettings
     from .session import Session
 
     family = load_family(model, draft_models, autotune, pipeline)
     if family is None:
         return
     session, messages, stats = Session(family), [], None
+    settings = SamplerSettings(temp, top_p, top_k, min_p)
     click.echo("treegraft chat: /reset, /stats, /quit", err=True)
     while True:
         try:
@@ -162,8 +163,8 @@ def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, to
         reply, last = "", None
         try:
             for r in stream_generate(family, chat_prompt(family.tokenizer, messages), strategy,
-                                     max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k,
-                                     min_p=min_p, seed=seed, session=session):
+                                     max_tokens=max_tokens, settings=settings, seed=seed,
+                                     session=session):
                 reply += r.text
                 last = r
                 click.echo(r.text, nl=False)
@@ -192,7 +193,7 @@ def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tok
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
     from pathlib import Path
 
-    from .engine import parse_strategy
+    from .decoder import parse_strategy
     from .server import ServerConfig, make_server
 
     try:
@@ -229,20 +230,24 @@ def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tok
               help="Use only the first N prompts of each category (0 = all).")
 @click.option("--temp", default=0.0, show_default=True, type=click.FloatRange(0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--min-p", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--budget", default=None, type=click.IntRange(1), help="Override the tree budget.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), required=True)
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Also write a PNG of tokens/s per strategy and category (needs matplotlib).")
 def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, warmup,
-          per_category, temp, top_p, seed, budget, json_out, plot_out) -> None:
+          per_category, temp, top_p, top_k, min_p, seed, budget, json_out, plot_out) -> None:
     """Benchmark strategies side by side (one process, alternating order)."""
     import dataclasses
     from pathlib import Path
 
     from . import bench as B
     from . import report as R
+    from .sampling import SamplerSettings
 
+    settings = SamplerSettings(temp, top_p, top_k, min_p)
     names = [s.strip().replace("+", ",") for s in strategies.split(",") if s.strip()]
     if "ar" not in names:
         names.insert(0, "ar")
@@ -253,9 +258,9 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
     tree = dataclasses.replace(family.tree, budget=budget) if budget else None
     with click.progressbar(length=len(prompts) * len(names) * repeat, label="bench",
                            file=sys.stderr) as bar:
-        runs = B.run_bench(family, prompts, names, max_tokens, repeat, warmup, temp, top_p,
+        runs = B.run_bench(family, prompts, names, max_tokens, repeat, warmup, settings,
                            seed, tree, progress=bar.update)
-    meta = {**B.machine_info(), "command": " ".join(sys.argv), "temp": temp, "top_p": top_p,
+    meta = {**B.machine_info(), "command": " ".join(sys.argv), **dataclasses.asdict(settings),
             "max_tokens": max_tokens, "tree": dataclasses.asdict(tree or family.tree),
             "dtype": str(family.target.model.norm.weight.dtype),
             "ar_bound": R.ar_bound(family.target)}
@@ -350,7 +355,7 @@ def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max
     click.echo("verification latency (ms): " + ", ".join(
         f"n={n}: {ms:.1f}" for n, ms in result["verification_latency_ms"].items()), err=True)
     click.echo(f"verify_pad: {result['verify_pad']}")
-    from .engine import step_costs
+    from .probe import step_costs
 
     costs = step_costs(family, family.tree, refresh=True)
     result["step_costs"] = dataclasses.asdict(costs)
@@ -406,8 +411,8 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
 
     from . import bench as B
     from .calibrate import calibrate as run, calibration_units, dataset_timing
-    from .family import scheduler_entry, update_manifest
-    from .engine import scheduler_timing
+    from .family import install_scheduler
+    from .probe import scheduler_timing
     from .sampling import SamplerSettings
 
     family = load_family(model, ())
@@ -446,16 +451,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():
             raise click.ClickException("--write needs a bundle with treegraft.json")
-        import shutil
-
-        entry = scheduler_entry(not settings.greedy)
-        dest = family.path / entry.replace("_", "-")
-        tmp = family.path / f"{dest.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(artifact, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        tmp.replace(dest)
-        update_manifest(family.path, **{entry: dest.name})
+        dest = install_scheduler(family.path, artifact, sampled=not settings.greedy)
         click.echo(f"installed in {dest}")
 
 
@@ -473,7 +469,7 @@ def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, 
     from . import bench as B
     from .calibrate import provenance
     from .calibrate_acceptance import calibrate_acceptance as run
-    from .family import update_manifest
+    from .family import store_acceptance
     from .sampling import SamplerSettings
 
     family = load_family(model, ())
@@ -497,13 +493,9 @@ def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, 
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():
             raise click.ClickException("--write needs a bundle with treegraft.json")
-        out = family.path / "acceptance.json"
-        stored = json.loads(out.read_text()) if out.exists() else {}
-        reports = {r: stored[r] for r in A.REGIMES if r in stored and r != name}
-        reports[name] = {**report, "calibration_prompts": provenance(Path(prompts_file), prompts),
-                         "machine": B.machine_info(), "max_tokens": max_tokens, "seed": seed}
-        A.save(out, reports, {})
-        update_manifest(family.path, acceptance=out.name)
+        out = store_acceptance(family.path, name, {
+            **report, "calibration_prompts": provenance(Path(prompts_file), prompts),
+            "machine": B.machine_info(), "max_tokens": max_tokens, "seed": seed})
         click.echo(f"wrote {name} weights to {out}")
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional, Sequence, Union
 from .acceptance import AcceptanceModel
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
+from .pricing import Learned
 from .scheduler import load_artifact
 
 
@@ -59,9 +60,8 @@ class Family:
     sampled_scheduler_dir: Optional[Path] = None   # one calibrated with sampling, if any
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel.default)
     _schedulers: dict = field(default_factory=dict, repr=False)
-    # What the runtime learns about this family on this device while it runs (the tokens
-    # per ms of each strong-drafter chain length, pricing.CallPolicy), per regime and tree.
-    runtime_state: dict = field(default_factory=dict, repr=False)
+    # What decoding learns about this family on this device while it runs (Learned).
+    learned: Learned = field(default_factory=Learned, repr=False)
     # Where decoding reads the time its decisions learn from (drafting and call costs): the
     # wall clock; tests script it so that what the sizer decides never depends on load.
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
@@ -175,3 +175,34 @@ def update_manifest(bundle: Path, **entries) -> None:
     tmp = manifest_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_file)
+
+
+def install_scheduler(bundle: Path, artifact: Path, sampled: bool) -> Path:
+    """Copy a calibrated scheduler artifact into a bundle (scheduler/ or scheduler-sampled/)
+    and name it in the manifest. Copied beside its destination first, then renamed over it:
+    an interrupted install leaves the old artifact whole."""
+    import shutil
+
+    entry = scheduler_entry(sampled)
+    dest = Path(bundle) / entry.replace("_", "-")
+    tmp = dest.with_name(f"{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(artifact, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.replace(dest)
+    update_manifest(bundle, **{entry: dest.name})
+    return dest
+
+
+def store_acceptance(bundle: Path, regime: str, report: dict) -> Path:
+    """Merge one regime's fitted acceptance weights into a bundle's acceptance.json (the
+    other regimes' kept) and name it in the manifest."""
+    from . import acceptance as A
+
+    out = Path(bundle) / "acceptance.json"
+    stored = json.loads(out.read_text()) if out.exists() else {}
+    reports = {r: stored[r] for r in A.REGIMES if r in stored and r != regime}
+    reports[regime] = report
+    A.save(out, reports, {})
+    update_manifest(bundle, acceptance=out.name)
+    return out

@@ -65,10 +65,23 @@ class Response:
     generation_tps: float
     finish_reason: Optional[str] = None
     step_sizes: list[int] = field(default_factory=list)
+    step_stats: list = field(default_factory=list)    # decoder.StepStats per step so far
+    drafter_calls: int = 0                            # strong-drafter forwards so far
 
     @property
     def mean_accepted(self) -> float:
         return tokens_per_step(self.generation_tokens, self.steps)
+
+
+def summary(last: Optional[Response], strategy: str) -> dict:
+    """What a finished generation reports, from its last response: one set of figures for
+    `engine.generate`'s result, `treegraft generate --json` and the server's usage."""
+    return {"prompt_tokens": last.prompt_tokens if last else 0,
+            "generation_tokens": last.generation_tokens if last else 0,
+            "steps": last.steps if last else 0,
+            "mean_accepted": last.mean_accepted if last else 0.0,
+            "tokens_per_sec": last.generation_tps if last else 0.0,
+            "drafter_calls": last.drafter_calls if last else 0, "strategy": strategy}
 
 
 def tokens_per_step(tokens: int, steps: int) -> float:

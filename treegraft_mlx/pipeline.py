@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -36,10 +36,7 @@ import numpy as np
 
 from .tree import TreeMask
 
-# A frame: CONTROL int32 (kind, cache, rows, context, mask kind, mask words, logits rows (-1:
-# all), positions given, ops length), then ops, positions, mask bits, logits rows (int32),
-# then the hidden states (their bytes as int32).
-CONTROL = 9
+CONTROL = 9                  # int32 control words a frame opens with (Frame.control)
 FORWARD, STOP = 1, 2
 NEW, COMMIT, KEEP, RESET = 1, 2, 3, 4  # cache operations: (op, cache, arg[, rows...])
 NO_MASK, CAUSAL, TREE = 0, 1, 2
@@ -294,12 +291,66 @@ def apply_ops(ops: list[int], caches: dict, model) -> None:
             caches[ident].reset(arg)
 
 
-def frame(control: list[int], ints: list[int], hidden: Optional[mx.array]) -> mx.array:
-    """One message: control, int32 payload, then the hidden states' bytes."""
-    parts = [mx.array(control + ints, dtype=mx.int32)]
-    if hidden is not None:
-        parts.append(hidden.reshape(-1).view(mx.int32))
-    return mx.concatenate(parts)
+@dataclass
+class Frame:
+    """One request as it travels down the ranks. On the wire: CONTROL int32 words (what a
+    receiver needs to size the rest), then the int32 payload (cache operations, positions,
+    tree-mask words, logits rows), then the hidden states' bytes. A receiver reads the
+    control words first (`Frame.sizes`), the payload (`Frame.read`), then the hidden states."""
+
+    kind: int = FORWARD
+    cache: int = -1                          # the cache's ident; -1: none
+    rows: int = 0
+    context: int = 0                         # committed tokens before the block
+    mask_kind: int = NO_MASK
+    ops: list[int] = field(default_factory=list)          # cache operations (apply_ops)
+    positions: Optional[list[int]] = None
+    mask_bits: Optional[np.ndarray] = None   # (rows, words) uint32, for TREE
+    logits_rows: Optional[list[int]] = None  # None: every row
+
+    def control(self) -> list[int]:
+        words = 0 if self.mask_bits is None else self.mask_bits.shape[1]
+        return [self.kind, self.cache, self.rows, self.context, self.mask_kind, words,
+                -1 if self.logits_rows is None else len(self.logits_rows),
+                int(self.positions is not None), len(self.ops)]
+
+    def payload(self) -> list[int]:
+        ints = list(self.ops) + (self.positions or [])
+        if self.mask_bits is not None:
+            ints += self.mask_bits.view(np.int32).reshape(-1).tolist()
+        return ints + (self.logits_rows or [])
+
+    def pack(self, hidden: Optional[mx.array] = None) -> mx.array:
+        parts = [mx.array(self.control() + self.payload(), dtype=mx.int32)]
+        if hidden is not None:
+            parts.append(hidden.reshape(-1).view(mx.int32))
+        return mx.concatenate(parts)
+
+    @staticmethod
+    def sizes(control: list[int]) -> int:
+        """Payload words that follow these control words."""
+        _, _, rows, _, mask_kind, words, n_logits, has_pos, n_ops = control
+        return n_ops + rows * has_pos + rows * words * (mask_kind == TREE) + max(n_logits, 0)
+
+    @classmethod
+    def read(cls, control: list[int], payload: list[int]) -> "Frame":
+        kind, cache, rows, context, mask_kind, words, n_logits, has_pos, n_ops = control
+        at = n_ops
+        frame = cls(kind, cache, rows, context, mask_kind, payload[:n_ops])
+        if has_pos:
+            frame.positions, at = payload[at:at + rows], at + rows
+        if mask_kind == TREE:
+            bits = np.array(payload[at:at + rows * words], dtype=np.int32).view(np.uint32)
+            frame.mask_bits, at = bits.reshape(rows, words), at + rows * words
+        if n_logits >= 0:
+            frame.logits_rows = payload[at:at + n_logits]
+        return frame
+
+    def mask(self):
+        """The mask the layers take: a TreeMask, 'causal' or None."""
+        if self.mask_kind == TREE:
+            return TreeMask(self.context, self.mask_bits)
+        return "causal" if self.mask_kind == CAUSAL else None
 
 
 class PipelineTarget:
@@ -324,31 +375,26 @@ class PipelineTarget:
                  positions: Optional[mx.array] = None, mask=None,
                  logits_rows: Optional[mx.array] = None) -> mx.array:
         rows = inputs.shape[1]
-        kind, words, context = NO_MASK, 0, cache.offset if cache is not None else 0
-        ints = list(self.ops)
+        frame = Frame(FORWARD, cache.ident if cache is not None else -1, rows,
+                      cache.offset if cache is not None else 0, NO_MASK, self.ops)
         if positions is not None:
-            ints += np.asarray(positions, dtype=np.int32).tolist()
+            frame.positions = np.asarray(positions, dtype=np.int32).tolist()
         if isinstance(mask, TreeMask):
-            kind, words, context = TREE, mask.bits.shape[1], mask.context
-            ints += mask.bits.view(np.int32).reshape(-1).tolist()
+            frame.mask_kind, frame.context, frame.mask_bits = TREE, mask.context, mask.bits
         elif isinstance(mask, str):
-            kind = CAUSAL
+            frame.mask_kind = CAUSAL
         elif mask is not None:
             raise PipelineError("a pipelined target takes tree masks, 'causal' or none")
-        n_logits = -1
         if logits_rows is not None:
-            chosen = np.asarray(logits_rows, dtype=np.int32).reshape(-1).tolist()
-            n_logits, ints = len(chosen), ints + chosen
-        control = [FORWARD, cache.ident if cache is not None else -1, rows, context, kind, words,
-                   n_logits, int(positions is not None), len(self.ops)]
+            frame.logits_rows = np.asarray(logits_rows, dtype=np.int32).reshape(-1).tolist()
         self.ops = []
         local = cache.local if cache is not None else None
         dtype = hidden_dtype(self.stage_model)
         h = self.stage_model.run_layers(self.stage_model.embed(inputs), local, positions, mask)
         h = h.astype(dtype)
         mx.eval(h)  # this stage's own compute stays outside the exchange's deadline
-        self.link.send(frame(control, ints, h), 1, "a forward")
-        out_rows = rows if logits_rows is None else n_logits
+        self.link.send(frame.pack(h), 1, "a forward")
+        out_rows = rows if frame.logits_rows is None else len(frame.logits_rows)
         return self.link.recv((1, out_rows, self.args.vocab_size), dtype, self.link.size - 1,
                               "logits")
 
@@ -357,7 +403,7 @@ class PipelineTarget:
         if self.link is None or self.link.broken:
             return
         link, self.link = self.link, None
-        link.send(frame([STOP] + [0] * (CONTROL - 1), [], None), 1, "stop")
+        link.send(Frame(STOP).pack(), 1, "stop")
 
 
 def serve_stage(model, link: Link, stage: Stage) -> None:
@@ -366,35 +412,30 @@ def serve_stage(model, link: Link, stage: Stage) -> None:
     dtype = hidden_dtype(model)
     prev, nxt = link.rank - 1, link.rank + 1
     while True:
-        control = link.recv((CONTROL,), mx.int32, prev, "rank 0's next request", idle=True)
-        kind, ident, rows, context, mask_kind, words, n_logits, has_pos, n_ops = control.tolist()
-        if kind == STOP:
+        control = link.recv((CONTROL,), mx.int32, prev, "rank 0's next request",
+                            idle=True).tolist()
+        if control[0] == STOP:
             if not stage.is_last:
-                link.send(control, nxt, "stop")
+                link.send(mx.array(control, dtype=mx.int32), nxt, "stop")
             return
-        n_ints = n_ops + rows * has_pos + rows * words * (mask_kind == TREE) + max(n_logits, 0)
+        n_ints = Frame.sizes(control)
         ints = link.recv((n_ints,), mx.int32, prev, "a forward's layout") if n_ints else None
-        hidden_ints = rows * model.args.hidden_size * dtype.size // 4
+        frame = Frame.read(control, np.array(ints).tolist() if ints is not None else [])
+        hidden_ints = frame.rows * model.args.hidden_size * dtype.size // 4
         h = link.recv((hidden_ints,), mx.int32, prev, "hidden states").view(dtype)
-        h = h.reshape(1, rows, model.args.hidden_size)
-        values = np.array(ints).tolist() if ints is not None else []
-        apply_ops(values[:n_ops], caches, model)
-        at = n_ops
-        positions = None
-        if has_pos:
-            positions, at = mx.array(values[at:at + rows], dtype=mx.int32), at + rows
-        mask = None if mask_kind == NO_MASK else "causal"
-        if mask_kind == TREE:
-            bits = np.array(values[at:at + rows * words], dtype=np.int32).view(np.uint32)
-            mask, at = TreeMask(context, bits.reshape(rows, words)), at + rows * words
-        chosen = mx.array(values[at:at + n_logits], dtype=mx.int32) if n_logits >= 0 else None
-        h = model.run_layers(h, caches.get(ident), positions, mask)
+        h = h.reshape(1, frame.rows, model.args.hidden_size)
+        apply_ops(frame.ops, caches, model)
+        positions = (mx.array(frame.positions, dtype=mx.int32)
+                     if frame.positions is not None else None)
+        chosen = (mx.array(frame.logits_rows, dtype=mx.int32)
+                  if frame.logits_rows is not None else None)
+        h = model.run_layers(h, caches.get(frame.cache), positions, frame.mask())
         out = (model.head(h, chosen) if stage.is_last else h).astype(dtype)
         mx.eval(out)  # compute outside the exchange's deadline
         if stage.is_last:
             link.send(out, 0, "logits")
         else:
-            link.send(frame(control.tolist(), values, out), nxt, "a forward")
+            link.send(frame.pack(out), nxt, "a forward")
 
 
 def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):

@@ -4,14 +4,17 @@ chain (CallPolicy, measured committed tokens per ms of each length)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from .acceptance import AcceptanceModel
-from .family import TreeConfig
 from .timing import StepCosts
 from .tree import DraftTree, Plan, plan_verification
+
+if TYPE_CHECKING:                 # family.py owns a Learned: no import back at run time
+    from .family import TreeConfig
 
 RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
 DRAFT_EXPLORE_EVERY = 4    # while drafting does not pay, still draft one step in this many
@@ -205,3 +208,22 @@ class Fallback:
         tokens, ms = self.tree[c]
         lost_ms = ms - tokens * self.ar[1]          # per tree step, against AR steps
         return int(np.ceil(self.PROBE * max(0.0, lost_ms) / (self.PROBE_SHARE * self.ar[1])))
+
+
+@dataclass
+class Learned:
+    """What decoding learns about one family on this device while it runs, kept on the family
+    across generations: the strong drafter's call policy and the plain-stretch fallback, one
+    per decoding regime, tree shape and strategy."""
+
+    call_policies: dict = field(default_factory=dict)
+    fallbacks: dict = field(default_factory=dict)
+
+    def call_policy(self, sampled: bool, tree: "TreeConfig", ngram: bool) -> CallPolicy:
+        """The call policy of a priced strategy (with or without the n-gram tree)."""
+        return self.call_policies.setdefault((sampled, tree, ngram), CallPolicy(tree.depth))
+
+    def fallback(self, sampled: bool, tree: "TreeConfig", strategy: str,
+                 ar_ms: float) -> Fallback:
+        """The fallback of an adaptive strategy; its AR rate starts from `ar_ms`."""
+        return self.fallbacks.setdefault((sampled, tree, strategy), Fallback(ar_ms))

@@ -19,9 +19,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-from .engine import parse_strategy, stream_generate
+from .decoder import parse_strategy
+from .engine import stream_generate
 from .family import Family
-from .generate import Response, chat_prompt
+from .generate import Response, chat_prompt, summary
 from .sampling import SamplerSettings
 
 DEFAULT_MAX_TOKENS = 256
@@ -66,26 +67,25 @@ class Generator:
         seed = number(body, "seed", None, integer=True)
         if seed is not None and seed < 0:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"'seed' must be >= 0, got {seed}")
-        settings = dict(temp=float(number(body, "temperature", 0.0)),
-                        top_p=float(number(body, "top_p", 1.0)),
-                        top_k=number(body, "top_k", 0, integer=True),
-                        min_p=float(number(body, "min_p", 0.0)))
+        temp = float(number(body, "temperature", 0.0))
+        top_p = float(number(body, "top_p", 1.0))
+        top_k = number(body, "top_k", 0, integer=True)
+        min_p = float(number(body, "min_p", 0.0))
         try:
             if not isinstance(strategy, str):
                 raise ValueError(f"'strategy' must be a string, got {strategy!r}")
             parse_strategy(strategy)
-            SamplerSettings(**settings)  # refused here, before the request queues
+            settings = SamplerSettings(temp, top_p, top_k, min_p)  # refused before it queues
         except ValueError as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
-        return dict(strategy=strategy, max_tokens=max_tokens, seed=seed, stop=stop, **settings)
+        return dict(strategy=strategy, max_tokens=max_tokens, seed=seed, stop=stop,
+                    settings=settings)
 
     def run(self, prompt: str, params: dict):
         """Yield Response pieces; the lock is held for the whole generation (a queue)."""
-        decoders: list = []
         with self.lock:
             try:
-                for r in stream_generate(self.family, prompt, decoder_out=decoders, **params):
-                    yield r, decoders[0]
+                yield from stream_generate(self.family, prompt, **params)
             except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
                 raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
 
@@ -114,15 +114,12 @@ def internal_error(e: Exception) -> RequestError:
                         f"generation failed: {type(e).__name__}: {e}", "server_error")
 
 
-def usage(last: Optional[Response], decoder, strategy: str) -> dict:
-    prompt = last.prompt_tokens if last else 0
-    completion = last.generation_tokens if last else 0
+def usage(last: Optional[Response], strategy: str) -> dict:
+    """OpenAI's usage block, with the speculative figures beside it (generate.summary)."""
+    figures = summary(last, strategy)
+    prompt, completion = figures.pop("prompt_tokens"), figures.pop("generation_tokens")
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "speculative": {"strategy": strategy, "steps": last.steps if last else 0,
-                            "mean_accepted": last.mean_accepted if last else 0.0,
-                            "drafter_calls": decoder.drafter_calls if decoder else 0,
-                            "tokens_per_sec": last.generation_tps if last else 0.0}}
+            "total_tokens": prompt + completion, "speculative": figures}
 
 
 def make_handler(gen: Generator):
@@ -210,8 +207,8 @@ def make_handler(gen: Generator):
                 self._error(internal_error(e))
 
         def _complete(self, pieces, chat: bool, strategy: str) -> None:
-            text, last, decoder = "", None, None
-            for r, decoder in pieces:
+            text, last = "", None
+            for r in pieces:
                 text += r.text
                 last = r
             choice = {"index": 0, "finish_reason": last.finish_reason if last else "length"}
@@ -223,15 +220,15 @@ def make_handler(gen: Generator):
                 "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": config.model_id, "choices": [choice],
-                "usage": usage(last, decoder, strategy)})
+                "usage": usage(last, strategy)})
 
         def _stream(self, pieces, chat: bool, strategy: str) -> None:
             ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
             obj = "chat.completion.chunk" if chat else "text_completion"
             started = False
-            last, decoder = None, None
+            last = None
             try:
-                for r, decoder in pieces:
+                for r in pieces:
                     if not started:
                         self.send_response(HTTPStatus.OK)
                         self.send_header("Content-Type", "text/event-stream")
@@ -248,7 +245,7 @@ def make_handler(gen: Generator):
                     chunk = {"id": ident, "object": obj, "created": int(time.time()),
                              "model": config.model_id, "choices": [choice]}
                     if r.finish_reason:
-                        chunk["usage"] = usage(last, decoder, strategy)
+                        chunk["usage"] = usage(last, strategy)
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
             except Exception as e:

@@ -1,0 +1,489 @@
+"""The decoding loop: draft tree (drafters) -> size -> verify (target) -> accept -> compact.
+
+Every strategy is a generator of committed token blocks: the prefill's token, then one block
+per target forward (the drafts it accepted and its bonus token), so stopping, streaming and
+statistics are shared (generate.stream). Strategies by name:
+
+  ar                      the target alone
+  chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
+  ngram                   endpoint W: the n-gram drafter builds every layer
+  draft                   endpoint S: the strong drafter's greedy chain, as long as the
+                          measured call policy chooses (CallPolicy), 0 being an AR step
+  treegraft               the shared tree: the n-gram tree with the strong drafter's chain
+                          grafted in from the root, its length chosen per bucket of the
+                          n-gram plan by the measured call policy (CallPolicy)
+  treegraft-learned       the paper's schedule: the family's learned scheduler decides which
+                          layers the strong drafter expands with a tree-mask call (its
+                          sampling-calibrated one when sampling, if the bundle has one)
+  treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
+
+Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree
+its drafts are worth on this device, the root alone being a pipelined AR step. With
+`TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
+What the sizing and the call policy learn while running (the worth of drafting, of a call) follows
+measured drafting times, so a seeded sampled run can differ between runs (never in its
+distribution); a fixed budget repeats exactly.
+
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .build import TreeBuild
+from .drafters import Drafters
+from .family import TreeConfig
+from .history import History
+from .pricing import CallPolicy, Fallback, Sizer
+from .sampling import SamplerSettings, sample_token
+from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
+from .session import Session
+from .timing import StepCosts, Timing
+from .tree import DraftTree, Plan, prune
+from .verify import Acceptance, accept, verify
+
+DEFAULT_CHAIN_K = 4
+NO_CALLS = FixedSchedule(frozenset())
+MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
+# Where `treegraft-learned` may call the strong drafter: layer 1 (the learned scheduler's
+# budget b0 is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls); without
+# a scheduler, the call is made on every step.
+LEARNED_LAYERS = frozenset({1})
+
+
+@dataclass
+class StepStats:
+    accepted: int                 # drafts accepted (committed tokens this step - 1)
+    nodes_verified: int
+    nodes_built: int
+    layers: list[str]             # which drafter expanded each layer
+    t_draft: float
+    t_verify: float
+    t_accept: float
+    t_schedule: float = 0.0       # part of t_draft spent deciding (the learned scheduler)
+    rows: int = 1                 # rows the target's forward ran (nodes verified, padded)
+    expected: float = 1.0         # committed tokens the size choice expected (adaptive steps)
+    chain: int = 0                # drafts the strong drafter chained from the root
+
+    def trace(self, step: int) -> str:
+        """One line of the run-time trace (TREEGRAFT_TRACE=1): what the step decided."""
+        if self.nodes_built == 1 and not self.layers and self.t_verify == 0:
+            return f"step {step}: ar"
+        return (f"step {step}: built {self.nodes_built} verified {self.nodes_verified} "
+                f"rows {self.rows} expected {self.expected:.2f} chain {self.chain} "
+                f"accepted {self.accepted} | draft {1000 * self.t_draft:.1f} verify "
+                f"{1000 * self.t_verify:.1f} accept {1000 * self.t_accept:.1f} ms")
+
+
+AR_STEP = StepStats(accepted=0, nodes_verified=1, nodes_built=1, layers=[], t_draft=0.0,
+                    t_verify=0.0, t_accept=0.0)   # a plain AR step (its stats never change)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    kind: str                                   # "ar", "chain" or "tree"
+    combine_layers: frozenset[int] = frozenset()
+    chain_k: int = DEFAULT_CHAIN_K
+    learned: bool = False                       # the family's scheduler, if it has one
+    priced: bool = False                        # call when the estimates say it pays
+    ngram: bool = True                          # the n-gram drafter builds the tree
+    strong_chain: bool = False                  # graft S's greedy chain from the root
+
+    @property
+    def needs_strong(self) -> bool:
+        return self.kind == "chain" or (self.kind == "tree" and
+                                        (bool(self.combine_layers) or self.learned
+                                         or self.strong_chain))
+
+
+STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned",
+                  "treegraft-fixed:<layers>")
+
+
+def parse_strategy(name: str, depth: int = 5) -> Strategy:
+    if name == "ar":
+        return Strategy(name, "ar")
+    if name == "chain" or name.startswith("chain:"):
+        k = int(name.split(":", 1)[1]) if ":" in name else DEFAULT_CHAIN_K
+        if k < 1:
+            raise ValueError(f"chain length must be >= 1, got {k}")
+        return Strategy(name, "chain", chain_k=k)
+    if name == "ngram":
+        return Strategy(name, "tree")
+    if name == "draft":
+        return Strategy(name, "tree", ngram=False, strong_chain=True, priced=True)
+    if name == "treegraft":
+        return Strategy(name, "tree", strong_chain=True, priced=True)
+    if name == "treegraft-learned":
+        return Strategy(name, "tree", LEARNED_LAYERS, learned=True)
+    if name.startswith("treegraft-fixed:"):
+        return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
+    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+class Decoder:
+    """Runs one generation of a strategy on a session; records StepStats per step."""
+
+    def __init__(self, session: Session, strategy: Strategy, settings: SamplerSettings,
+                 rng: np.random.Generator, schedule: Optional[Schedule] = None,
+                 costs: Optional[StepCosts] = None, timing: Optional[Timing] = None,
+                 trace: Optional[Callable[[str], None]] = None):
+        """`costs`: this device's step costs (probe.step_costs), needed by adaptive tree
+        strategies; `timing`: the learned scheduler's T_tgt/T_mid (probe.scheduler_timing),
+        needed by `treegraft-learned` when the family has a scheduler; `trace` receives one
+        line per step and per stretch decision."""
+        self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
+        self.trace = trace
+        self.target = session.family.target
+        self.clock = session.family.clock
+        if strategy.needs_strong and session.strong is None:
+            raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+        self.drafters = Drafters(session.ngram, session.strong if strategy.needs_strong else None)
+        self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
+        family = session.family
+        if schedule is not None:
+            self.schedule = schedule
+        elif strategy.learned and (learned := family.scheduler(not settings.greedy)) is not None:
+            if timing is None:
+                raise ValueError("the learned scheduler needs this device's timing "
+                                 "(probe.scheduler_timing)")
+            mlp, meta = learned
+            self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
+        self.sizer: Optional[Sizer] = None
+        if needs_costs(strategy, session.tree):
+            if costs is None:
+                raise ValueError("an adaptive tree needs this device's step costs "
+                                 "(probe.step_costs)")
+            self.sizer = Sizer(family.acceptance, costs, session.tree, sampled=not settings.greedy)
+        self.calls: Optional[CallPolicy] = None
+        if self.sizer is not None and strategy.priced and schedule is None:
+            # What each chain length measured keeps learning across generations, per regime,
+            # tree shape and strategy (with or without the n-gram tree).
+            self.calls = family.learned.call_policy(not settings.greedy, session.tree,
+                                                    strategy.ngram)
+        if self.sizer is not None:
+            self.fallback: Fallback = family.learned.fallback(
+                not settings.greedy, session.tree, strategy.name, costs.ar_ms)
+        self.stats: list[StepStats] = []
+        self._calls_before = self._drafter_forwards()
+
+    def _drafter_forwards(self) -> int:
+        return sum(getattr(d, "calls", 0) for d in self.drafters.all)
+
+    @property
+    def drafter_calls(self) -> int:
+        """Strong-drafter forwards this generation ran."""
+        return self._drafter_forwards() - self._calls_before
+
+    def _record(self, stats: StepStats) -> None:
+        """Keep a finished step's statistics, and trace it when tracing."""
+        self.stats.append(stats)
+        if self.trace is not None:
+            self.trace(stats.trace(len(self.stats)))
+
+    def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
+        # The first block is the prefill's token, out at once (the prompt rows' scores stay
+        # deferred until a drafter reads them); every later block is what one target forward
+        # committed: accepted drafts, then the bonus.
+        root = self.session.prefill(prompt_ids, self.settings, self.rng)
+        if self.strategy.kind == "ar":
+            yield from self._ar_steps(root)
+            return
+        yield [root]
+        if self.sizer is not None:
+            yield from self._adaptive_steps(root)
+        else:
+            yield from self._tree_steps(root)
+
+    def _forward(self) -> "ArForward":
+        key = mx.random.key(int(self.rng.integers(2**31)))
+        return ArForward(self.target, self.session.cache, self.settings, key)
+
+    def _ar_steps(self, root: int) -> Iterator[list[int]]:
+        """One committed token per target forward, pipelined like mlx_lm: the next forward is
+        queued (async_eval) before the current token is read back (the prefill's token too)."""
+        history, forward = self.session.history, self._forward()
+        queued = forward(mx.array(root))
+        yield [root]
+        while True:
+            after = forward(queued.token)
+            nxt = queued.read()
+            history.extend([nxt])
+            self._record(AR_STEP)
+            yield [nxt]
+            queued = after
+
+    def _build(self, root: int, history: History) -> "TreeBuild":
+        cfg = self.session.tree
+        build = TreeBuild.rooted_at(root)
+        if self.strategy.kind == "chain":
+            build.graft_chain(self.drafters.strong, self.strategy.chain_k, cfg, history)
+            return build
+        if self.strategy.ngram:
+            build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
+        if self.strategy.strong_chain:
+            build.graft_chain(self.drafters.strong, cfg.depth, cfg, history)
+        return build
+
+    def _tree_steps(self, root: int) -> Iterator[list[int]]:
+        """Every step verifies the built tree pruned to the fixed budget (the paper's way)."""
+        while True:
+            t0 = self.clock()
+            build = self._build(root, self.session.history)
+            tree = build.tree.subtree(prune(build.tree, self.session.tree.budget))
+            rows = self.session.tree.rows_for(len(tree))
+            block, acc = self._verify(tree, rows, StepStats(
+                accepted=0, nodes_verified=len(tree), nodes_built=len(build.tree),
+                layers=build.used, t_draft=self.clock() - t0, t_verify=0.0, t_accept=0.0,
+                t_schedule=build.t_schedule, rows=rows, expected=0.0, chain=build.chain))
+            yield block
+            root = acc.bonus
+
+    def _adaptive_steps(self, root: int) -> Iterator[list[int]]:
+        """Every step verifies the subtree its drafts are worth (Sizer); the root alone is an
+        AR step, pipelined as `ar` is: while the root's forward runs, the next one is already
+        queued on the bet that it is an AR step too, and the drafts for it are built. When
+        they are worth verifying after all, the queued forward has verified their root: the
+        child it confirms keeps its subtree for the next step."""
+        history, forward = self.session.history, self._forward()
+        queued: Optional[Queued] = None        # the forward of `root`, in flight
+        self.fallback.new_text()
+        carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
+        while True:
+            looping = self._looping()
+            if carried is None and (n := self.fallback.next_stretch(looping)):
+                if self.trace is not None:
+                    self.trace(f"stretch of {n} AR steps ({'loop' if looping else 'free text'})")
+                root, queued = yield from self._ar_stretch(root, forward, queued, n)
+                continue
+            t0 = self.clock()
+            choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
+            # Whether to run the n-gram drafter (a priced build still asks the call policy).
+            fresh = carried is None and self.sizer.worth_drafting()
+            chain = 0
+            if carried is not None:
+                full, used, t_schedule = carried, [], 0.0
+                plan = self.sizer.plan(carried, history.committed)
+            elif self.calls is not None:
+                build, plan, choice = self._priced_build(
+                    root, history, ngram=fresh and self.strategy.ngram,
+                    in_flight=queued is not None)
+                full, used, t_schedule = build.tree, build.used, build.t_schedule
+                chain = build.chain
+                fresh = fresh and not chain   # the sizer prices n-gram drafting without calls
+            elif not fresh:
+                full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
+                plan = self.sizer.plan(full, history.committed)
+            else:
+                build = self._build(root, history)
+                full, used, t_schedule = build.tree, build.used, build.t_schedule
+                plan = self.sizer.plan(full, history.committed)
+            carried = None
+            t1 = self.clock()
+            self.sizer.settle(plan, 1000 * (t1 - t0) if fresh else None)
+            if queued is None and len(plan.keep) > 1:
+                tree = full.subtree(plan.keep)
+                rows = self.sizer.costs.rows_for(len(tree))
+                block, acc = self._verify(tree, rows, StepStats(
+                    accepted=0, nodes_verified=len(tree), nodes_built=len(full), layers=used,
+                    t_draft=t1 - t0, t_verify=0.0, t_accept=0.0, t_schedule=t_schedule,
+                    rows=rows, expected=plan.expected, chain=chain))
+                self._learn(choice, len(block), t0, looping)
+                yield block
+                root = acc.bonus
+                continue
+            if queued is None:
+                queued = forward(mx.array(root))
+            after = (forward(queued.token)
+                     if len(plan.keep) == 1 and not self._calls_next() else None)
+            nxt = queued.read()
+            t2 = self.clock()
+            self._remember(queued, nxt)
+            history.extend([nxt])
+            self.drafters.observe(history, 1)
+            self._record(StepStats(
+                accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
+                t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
+                t_schedule=t_schedule, rows=1, expected=plan.expected, chain=chain))
+            self._learn(choice, 1, t0, looping)
+            yield [nxt]
+            if after is None and (c := full.child(0, nxt)) >= 0:
+                carried = full.rerooted(c)
+            root, queued = nxt, after
+
+    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float,
+               looping: bool) -> None:
+        """A tree step that began at `t0` (in a loop or not) committed `tokens`: the fallback
+        and the call policy (for the `choice` of a priced build) learn its rate."""
+        ms = 1000 * (self.clock() - t0)
+        self.fallback.observe_tree(tokens, ms, looping)
+        if choice is not None:
+            self.calls.observe(*choice, tokens, ms)
+
+    def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
+                    steps: int) -> Iterator[list[int]]:
+        """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
+        the token. Each row's score is deferred (History.defer) until a drafter reads
+        it. Continues a `queued` forward of `root`, if any. Ends early where the text starts
+        to loop (its last n_max tokens occurred before), if tree steps in loops pay. Returns
+        the new root and its forward if that is in flight (after an early end)."""
+        history, done, busy = self.session.history, 0, 0.0
+        try:
+            t0 = self.clock()
+            queued = queued or forward(mx.array(root))
+            for i in range(steps):
+                after = forward(queued.token) if i + 1 < steps else None
+                nxt = queued.read()
+                self._remember(queued, nxt)
+                history.extend([nxt])
+                self.drafters.observe(history, 1)
+                self._record(AR_STEP)
+                done, busy = done + 1, busy + self.clock() - t0
+                yield [nxt]
+                t0, queued = self.clock(), after
+                if self._looping() and self.fallback.faster(looping=True):
+                    break           # the text loops, where drafts paid: probe the tree
+        finally:        # what ran is measured, also when the caller stops inside the stretch
+            if done:
+                self.fallback.observe_ar(done, 1000 * busy)
+        return history.root, queued
+
+    def _looping(self) -> bool:
+        """Whether the committed text's last n_max tokens occurred before (one lookup)."""
+        return self.session.ngram.index.repeats(self.session.history.tokens)
+
+    def _remember(self, queued: "Queued", token: int) -> None:
+        """What the drafters will read of an AR step whose forward drew `token`: its row,
+        deferred as a hidden state where the target exposes one (nothing read back now), else
+        scored from its logits."""
+        history = self.session.history
+        if queued.hidden is not None:
+            history.defer(history.committed, queued.hidden, self.target.head)
+        else:
+            history.record(history.committed, queued.logits[None], [token])
+
+    def _calls_next(self) -> bool:
+        """Whether the next step will likely call the strong drafter: then its forward is not
+        queued ahead, since a call waits for a forward in flight on the same stream. Judged
+        for an empty n-gram tree (`draft` never has another)."""
+        return self.calls is not None and self.calls.peek(0) > 0
+
+    def _priced_build(self, root: int, history: History, ngram: bool,
+                      in_flight: bool) -> tuple["TreeBuild", Plan, Optional[tuple[int, int]]]:
+        """The n-gram tree, and the strong drafter's chain grafted into it as long as the
+        call policy chooses for the n-gram plan's bucket; planned by the Sizer; returned with
+        (bucket, chain length) for the policy to learn from, or None where the call first
+        synced a long lag (committed tokens S's cache had not seen: after a plain stretch),
+        whose cost is the stretch's, not the chain length's. No call while the root's forward
+        is `in_flight`: the drafter's forward would wait for it on the same stream and leave
+        the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
+        cfg, sizer = self.session.tree, self.sizer
+        build = TreeBuild.rooted_at(root)
+        if ngram:
+            build.expand(range(1, cfg.depth + 1), NO_CALLS, self.drafters, cfg, history)
+        plan = sizer.plan(build.tree, history.committed)
+        t0 = self.clock()
+        bucket = self.calls.bucket(plan.expected)
+        k = self.calls.choose(bucket)
+        k = 0 if in_flight else k
+        build.t_schedule = self.clock() - t0       # the policy's own work
+        steady = self.drafters.strong.lag(history) <= self.calls.STEADY_LAG
+        if k:
+            build.graft_chain(self.drafters.strong, k, cfg, history)
+            plan = sizer.plan(build.tree, history.committed)
+        return build, plan, (bucket, k) if steady or not k else None
+
+    def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
+        """Verify `tree` in one forward of `rows` rows, accept, commit (tree_step); completes
+        `stats`. Returns the committed tokens after the root (accepted drafts, then the bonus)."""
+        step = tree_step(self.session, self.drafters, tree, rows, self.settings, self.rng,
+                         self.clock)
+        stats.accepted = len(step.acceptance.path) - 1
+        stats.t_verify, stats.t_accept = step.t_verify, step.t_accept
+        self._record(stats)
+        return step.block, step.acceptance
+
+
+@dataclass
+class Queued:
+    """A target forward of one token, queued: its next token (lazy) and its logits row."""
+
+    token: mx.array
+    logits: mx.array
+    hidden: Optional[mx.array] = None    # the last layer's output (1, H), where exposed
+
+    def read(self) -> int:
+        return int(self.token.item())
+
+
+class ArForward:
+    """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
+    or the processed distribution with the next key), all evaluated asynchronously, so the
+    host can queue the following forward or draft while it runs."""
+
+    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array):
+        self.target, self.cache, self.settings, self.key = target, cache, settings, key
+
+    def __call__(self, token: mx.array) -> Queued:
+        target, tokens, hidden = self.target, token.reshape(1, 1), None
+        if hasattr(target, "run_layers"):
+            hidden = target.run_layers(target.embed(tokens), self.cache)[0]
+            logits = target.head(hidden[None])[0, -1]
+        else:
+            logits = target(tokens, cache=self.cache)[0, -1]
+        self.cache.commit()
+        self.key, sub = mx.random.split(self.key)
+        nxt = sample_token(logits, self.settings, sub)
+        mx.async_eval(nxt)
+        return Queued(nxt, logits, hidden)
+
+
+def commit(session: Session, drafters: Drafters, tree: DraftTree, logits: mx.array,
+           acc: Acceptance) -> list[int]:
+    """Commit the accepted path: compact the target cache, score the path's positions,
+    extend the history and tell the drafters. Returns what the history gained: the
+    accepted drafts, then the bonus."""
+    history = session.history
+    session.cache.keep(acc.path)
+    block = [tree.token[i] for i in acc.path]
+    following = block[1:] + [acc.bonus]
+    history.record(history.committed, logits[mx.array(acc.path)], following)
+    history.extend(following)
+    drafters.observe(history, len(block))
+    return following
+
+
+@dataclass
+class VerifiedStep:
+    """One tree step after its forward: what it committed and how long each part took."""
+
+    block: list[int]              # committed after the root: accepted drafts, then the bonus
+    acceptance: Acceptance
+    logits: mx.array              # the target's logits of every verified row
+    t_verify: float
+    t_accept: float
+
+
+def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
+              settings: SamplerSettings, rng: np.random.Generator,
+              clock: Callable[[], float] = time.perf_counter) -> VerifiedStep:
+    """The step every loop shares (decoding and both calibrations): verify `tree` in one
+    forward of `rows` rows, accept by the regime's rule, commit."""
+    t0 = clock()
+    logits = verify(session.family.target, session.cache, tree, rows)
+    mx.eval(logits)
+    t1 = clock()
+    acc = accept(tree, logits, settings, rng)
+    block = commit(session, drafters, tree, logits, acc)
+    return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
+
+
+def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:
+    """Whether decoding `strategy` sizes its steps, and so needs this device's step costs."""
+    return strategy.kind == "tree" and tree.adaptive
