@@ -319,13 +319,12 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
     from treegraft_mlx.pricing import Fallback
 
     fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
-    monkeypatch.setattr(Fallback, "PROBE_SHARE", float("inf"))   # ... doubling from 16
     monkeypatch.setitem(family.learned.fallbacks, (temp > 0, family.tree, "ngram"), fallback)
     session = Session(family, family.tree)
     prompt = suite_prompts(1)[1]["prompt"]
     kw = dict(max_tokens=72, temp=temp, seed=5)
     out = generate(family, prompt, "ngram", session=session, **kw)
-    assert fallback.ar_stretches >= 2 and fallback.tree_steps.sum() >= 2 * Fallback.PROBE
+    assert fallback.ar_stretches >= 2 and fallback.tree_steps >= 2 * Fallback.PROBE
     if temp == 0:
         assert out.token_ids == generate(family, prompt, "ar", max_tokens=72).token_ids
     history = session.history
@@ -343,51 +342,17 @@ def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
 
     fallback = Fallback(ar_ms=20.0)
     taken = []
-    for _ in range(3 * Fallback.PROBE):          # tree steps at 0.95 tokens per AR step
+    for _ in range(3 * Fallback.PROBE):                  # tree steps at 0.8 tokens per AR step
         taken.append(fallback.next_stretch())
         if not taken[-1]:
-            fallback.observe_tree(1, 21.0)
+            fallback.observe_tree(1, 25.0)
     assert taken[:Fallback.PROBE] == [0] * Fallback.PROBE
     stretches = [n for n in taken if n]
     assert stretches == [Fallback.FIRST_STRETCH, 2 * Fallback.FIRST_STRETCH]   # doubling
     fallback.observe_ar(16, 16 * 30.0)                   # measured: AR slower than thought
     for _ in range(Fallback.PROBE):
-        fallback.observe_tree(1, 21.0)
+        fallback.observe_tree(1, 25.0)
     assert fallback.next_stretch() == 0 and fallback.stretch == Fallback.FIRST_STRETCH
-
-
-def test_a_far_slower_tree_gets_stretches_its_probes_cannot_spoil():
-    """Where tree steps lose much against AR steps (sampling), the stretch is as long as makes
-    the next probe cost at most PROBE_SHARE of it, from the first stretch of a generation."""
-    from treegraft_mlx.pricing import Fallback
-
-    fallback = Fallback(ar_ms=10.0)
-    for _ in range(Fallback.PROBE):
-        fallback.observe_tree(1, 20.0)                   # each probe step loses 10 ms
-    want = Fallback.PROBE * 10.0 / (Fallback.PROBE_SHARE * 10.0)
-    assert want > Fallback.FIRST_STRETCH
-    assert fallback.next_stretch() == want
-    fallback.new_text()
-    for _ in range(Fallback.PROBE):
-        assert fallback.next_stretch() == 0
-        fallback.observe_tree(1, 20.0)
-    assert fallback.next_stretch() == want               # not reset to FIRST_STRETCH
-
-
-def test_fallback_measures_tree_steps_in_loops_apart():
-    """Loops where drafts pay do not hide free text where they do not, and back."""
-    from treegraft_mlx.pricing import Fallback
-
-    fallback = Fallback(ar_ms=20.0)
-    assert fallback.faster(looping=True) and fallback.faster(looping=False)   # untried
-    for _ in range(Fallback.PROBE):
-        fallback.observe_tree(3, 30.0, looping=True)     # loops: 2 tokens per AR step
-        fallback.observe_tree(1, 30.0, looping=False)    # free text: 0.67
-    assert fallback.faster(looping=True) and not fallback.faster(looping=False)
-    assert fallback.next_stretch(looping=True) == 0
-    for _ in range(Fallback.PROBE):
-        fallback.observe_tree(1, 30.0, looping=False)
-    assert fallback.next_stretch(looping=False) > 0
 
 
 def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours():

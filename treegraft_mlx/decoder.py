@@ -256,10 +256,9 @@ class Decoder:
         self.fallback.new_text()
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            looping = self._looping()
-            if carried is None and (n := self.fallback.next_stretch(looping)):
+            if carried is None and (n := self.fallback.next_stretch()):
                 if self.trace is not None:
-                    self.trace(f"stretch of {n} AR steps ({'loop' if looping else 'free text'})")
+                    self.trace(f"stretch of {n} AR steps")
                 root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
@@ -294,7 +293,7 @@ class Decoder:
                     accepted=0, nodes_verified=len(tree), nodes_built=len(full), layers=used,
                     t_draft=t1 - t0, t_verify=0.0, t_accept=0.0, t_schedule=t_schedule,
                     rows=rows, expected=plan.expected, chain=chain))
-                self._learn(choice, len(block), t0, looping)
+                self._learn(choice, len(block), t0)
                 yield block
                 root = acc.bonus
                 continue
@@ -311,18 +310,17 @@ class Decoder:
                 accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
                 t_schedule=t_schedule, rows=1, expected=plan.expected, chain=chain))
-            self._learn(choice, 1, t0, looping)
+            self._learn(choice, 1, t0)
             yield [nxt]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float,
-               looping: bool) -> None:
-        """A tree step that began at `t0` (in a loop or not) committed `tokens`: the fallback
-        and the call policy (for the `choice` of a priced build) learn its rate."""
+    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float) -> None:
+        """A tree step that began at `t0` committed `tokens`: the fallback and the call policy
+        (for the `choice` of a priced build) learn its rate."""
         ms = 1000 * (self.clock() - t0)
-        self.fallback.observe_tree(tokens, ms, looping)
+        self.fallback.observe_tree(tokens, ms)
         if choice is not None:
             self.calls.observe(*choice, tokens, ms)
 
@@ -331,7 +329,7 @@ class Decoder:
         """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
         the token. Each row's score is deferred (History.defer) until a drafter reads
         it. Continues a `queued` forward of `root`, if any. Ends early where the text starts
-        to loop (its last n_max tokens occurred before), if tree steps in loops pay. Returns
+        to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
         the new root and its forward if that is in flight (after an early end)."""
         history, done, busy = self.session.history, 0, 0.0
         try:
@@ -347,16 +345,12 @@ class Decoder:
                 done, busy = done + 1, busy + self.clock() - t0
                 yield [nxt]
                 t0, queued = self.clock(), after
-                if self._looping() and self.fallback.faster(looping=True):
-                    break           # the text loops, where drafts paid: probe the tree
+                if self.session.ngram.index.repeats(history.tokens):
+                    break           # the text loops: drafts may pay again; probe the tree
         finally:        # what ran is measured, also when the caller stops inside the stretch
             if done:
                 self.fallback.observe_ar(done, 1000 * busy)
         return history.root, queued
-
-    def _looping(self) -> bool:
-        """Whether the committed text's last n_max tokens occurred before (one lookup)."""
-        return self.session.ngram.index.repeats(self.session.history.tokens)
 
     def _remember(self, queued: "Queued", token: int) -> None:
         """What the drafters will read of an AR step whose forward drew `token`: its row,

@@ -138,28 +138,23 @@ class Fallback:
     steps against plain AR stretches, whichever is faster wins the next stretch. A sampled run
     accepts nothing on most steps, and a tree step's host work (the logits row, the history's
     log-probs, drafting, sizing) then costs more than a plain AR step; a stretch does exactly
-    what `ar` does. Tree steps are measured apart in free text and inside a loop (the text's
-    last n_max tokens occurred before), where n-gram drafts accept most when decoding is
-    greedy and little more than elsewhere when sampling. Every PROBE tree steps the rates of
-    the current context are compared: while AR is faster the next stretch runs, each twice as
-    long as the last (to MAX_STRETCH, so the probes' cost fades) and at least as long as
-    makes the next probe cost at most PROBE_SHARE of it; once the tree is faster again, or a
-    new generation starts, the doubling restarts. A stretch ends where the text
-    starts to loop if tree steps in loops are faster (or untried). The AR rate starts from the
-    cost table's AR step and is then measured. Lives on the family (per regime and strategy):
-    choices depend on measured times and the committed text, never on the target's logits."""
+    what `ar` does. Every PROBE tree steps the rates are compared: while AR is faster the next
+    stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
+    once the tree is faster again, or a new generation starts, stretches restart short. A
+    stretch also ends where the text starts to loop (the decoder checks the n-gram index).
+    The AR rate starts from the cost table's AR step and is then measured. Lives on the
+    family (per regime and strategy): choices depend on measured times and the committed
+    text, never on the target's logits."""
 
     PROBE = 4
     FIRST_STRETCH = 16
     MAX_STRETCH = 256
-    PROBE_SHARE = 0.05      # what probing may cost, as a share of the stretch before it
     EMA = 0.2
 
     def __init__(self, ar_ms: float):
-        self.tree = np.zeros((2, 2))            # per context (free, loop): EMA (tokens, ms)
-        self.tree_steps = np.zeros(2, dtype=np.int64)   # tree steps measured per context
+        self.tree = np.zeros(2)                 # moving averages of (tokens, ms) per tree step
         self.ar = np.array([1.0, ar_ms])        # ... per AR step, over stretches
-        self.ar_stretches = 0
+        self.tree_steps = self.ar_stretches = 0
         self.since = 0                          # tree steps since the last decision
         self.stretch = self.FIRST_STRETCH
 
@@ -167,13 +162,10 @@ class Fallback:
         """A generation starts: its text, not the last one's, decides how long stretches get."""
         self.since, self.stretch = 0, self.FIRST_STRETCH
 
-    def observe_tree(self, tokens: int, ms: float, looping: bool = False) -> None:
-        """A tree step that began in free text or in a loop committed `tokens` in `ms`."""
-        c = int(looping)
-        self.tree_steps[c] += 1
+    def observe_tree(self, tokens: int, ms: float) -> None:
+        self.tree_steps += 1
         self.since += 1
-        w = max(self.EMA, 1.0 / self.tree_steps[c])
-        self.tree[c] += w * (np.array([tokens, ms]) - self.tree[c])
+        self.tree += max(self.EMA, 1.0 / self.tree_steps) * (np.array([tokens, ms]) - self.tree)
 
     def observe_ar(self, tokens: int, ms: float) -> None:
         """A stretch committed `tokens` in `ms` of wall time."""
@@ -181,33 +173,21 @@ class Fallback:
         w = max(0.5, 1.0 / self.ar_stretches)
         self.ar += w * (np.array([1.0, ms / tokens]) - self.ar)
 
-    def faster(self, looping: bool = False) -> bool:
-        """Whether tree steps in this context have measured faster than AR steps (untried
-        counts as faster: it gets probed)."""
-        c = int(looping)
-        return self.tree_steps[c] == 0 or self.tree[c, 0] * self.ar[1] >= self.tree[c, 1]
+    def faster(self) -> bool:
+        """Whether tree steps have measured faster than AR steps."""
+        return self.tree[0] * self.ar[1] >= self.tree[1]
 
-    def next_stretch(self, looping: bool = False) -> int:
+    def next_stretch(self) -> int:
         """AR steps to take now: 0 (a tree step) except every PROBE tree steps, when AR has
-        measured faster in the current context."""
+        measured faster."""
         if self.since < self.PROBE:
             return 0
         self.since = 0
-        if self.faster(looping):
+        if self.faster():
             self.stretch = self.FIRST_STRETCH
             return 0
-        n = min(max(self.stretch, self.paying_stretch(looping)), self.MAX_STRETCH)
-        self.stretch = min(2 * self.stretch, self.MAX_STRETCH)
+        n, self.stretch = self.stretch, min(2 * self.stretch, self.MAX_STRETCH)
         return n
-
-    def paying_stretch(self, looping: bool = False) -> int:
-        """The shortest stretch after which the next probe's PROBE tree steps lose at most
-        PROBE_SHARE of the stretch's time, at the measured rates: where tree steps are far
-        slower (sampling), stretches start long, also in a new generation."""
-        c = int(looping)
-        tokens, ms = self.tree[c]
-        lost_ms = ms - tokens * self.ar[1]          # per tree step, against AR steps
-        return int(np.ceil(self.PROBE * max(0.0, lost_ms) / (self.PROBE_SHARE * self.ar[1])))
 
 
 @dataclass
