@@ -363,10 +363,10 @@ def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours()
     assert poor == 0 and rich == len(CallPolicy.EDGES)
     speed = {0: 1 / 20, 1: 1.5 / 24, 2: 2.2 / 28, 3: 2.4 / 32, 4: 2.5 / 36, 5: 2.5 / 40}
     first = []
-    for _ in range(6 * CallPolicy.TRIES):
+    for _ in range(2 * CallPolicy.TRIES):
         first.append(policy.choose(poor))
         policy.observe(poor, first[-1], 1000 * speed[first[-1]], 1000.0)
-    assert first == [k for k in range(6) for _ in range(CallPolicy.TRIES)]   # every length
+    assert first == [0] * CallPolicy.TRIES + [1] * CallPolicy.TRIES     # no call, then 1
     seen = []
     for _ in range(40 * CallPolicy.EXPLORE_EVERY):                  # tokens per ms as above
         k = policy.choose(poor)
@@ -374,12 +374,6 @@ def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours()
         policy.observe(poor, k, 1000 * speed[k], 1000.0)
     assert policy.peek(poor) == 2 == max(set(seen), key=seen.count)  # climbed to the best
     assert {1, 3} <= set(seen) and 5 not in seen                     # explores neighbours only
-    dip = CallPolicy(max_k=3)               # a chain of 1 loses, longer ones pay: found anyway
-    dip_speed = {0: 1 / 20, 1: 1.1 / 24, 2: 2.2 / 28, 3: 2.3 / 34}
-    for _ in range(4 * CallPolicy.TRIES):
-        k = dip.choose(poor)
-        dip.observe(poor, k, 1000 * dip_speed[k], 1000.0)
-    assert dip.peek(poor) == 2
     assert policy.peek(rich) == 0                                    # its own evidence
     assert policy.rate(poor)[2] == pytest.approx(speed[2])
 

@@ -6,13 +6,17 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from .acceptance import AcceptanceModel
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
+from .models import Model
 from .pricing import Learned
 from .scheduler import load_artifact
+
+if TYPE_CHECKING:                 # pipeline.start builds a family: no import back at run time
+    from .pipeline import PipelineTarget
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class TreeConfig:
 
 @dataclass
 class Family:
-    target: object
+    target: Union[Model, "PipelineTarget"]     # either is called like an mlx_lm model
     tokenizer: object
     drafters: dict[str, object] = field(default_factory=dict)
     tree: TreeConfig = field(default_factory=TreeConfig)
