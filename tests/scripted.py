@@ -6,7 +6,7 @@ import numpy as np
 
 
 # What the bundled family's steps cost on this CI's machine, as `treegraft calibrate-budget`
-# measured them (README): tests size trees from these, never from a probe run under load.
+# measured them (benchmarks/RESULTS.md): tests size trees from these, never from a probe run under load.
 SCRIPTED_LATENCY = {1: 26.1, 8: 35.5, 16: 44.3, 32: 65.9}
 
 

@@ -86,6 +86,20 @@ def test_the_first_token_is_out_before_any_step(family, strategy):
     assert len(next(steps)) >= 1 and len(dec.stats) == 1
 
 
+def test_the_trace_has_a_line_per_step(family, capsys):
+    """TREEGRAFT_TRACE / --trace: one line per step on stderr (and one per stretch), none
+    unless asked."""
+    prompt = suite_prompts(1)[0]["prompt"]
+    out = generate(family, prompt, "treegraft", max_tokens=24, trace=True)
+    lines = capsys.readouterr().err.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == len(out.step_stats) > 0
+    assert steps[0].startswith("step 1: ") and all(
+        line.startswith(("step ", "stretch ")) for line in lines)
+    generate(family, prompt, "treegraft", max_tokens=24, trace=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_max_tokens_and_eos_inside_accepted_blocks(family):
     # The bundle's fixed tree: per-step sizing follows this machine's measured times (a busy
     # machine may make every step an AR step), and this test is about stopping inside blocks.

@@ -410,6 +410,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
     from pathlib import Path
 
     from . import bench as B
+    from . import report as R
     from .calibrate import calibrate as run, calibration_units, dataset_timing
     from .family import install_scheduler
     from .probe import scheduler_timing
@@ -428,25 +429,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
                            file=sys.stderr) as bar:
         meta = run(family, Path(prompts_file), prompts, work, timing, artifact, max_tokens, b0,
                    seed, bar.update, settings)
-    m = meta["metrics"]
-    for split in ("train", "heldout"):
-        if m[split]:
-            s = m[split]
-            click.echo(f"{split}: {m[split + '_rows']} decisions, sign accuracy "
-                       f"{s['sign_accuracy']:.2f}, call rate {s['call_rate']:.2f}, gain "
-                       f"{s['gain_policy']:.3f} (always {s['gain_always']:.3f}, oracle "
-                       f"{s['gain_oracle']:.3f}) tokens/ms")
-    for row in meta["value_offset"]["measured"]:
-        click.echo(f"offset {row['offset']:+.4f}: {row['tokens_per_sec']:.1f} tok/s, "
-                   f"{row['drafter_calls']} strong-drafter calls")
-    click.echo(f"value offset {meta['value_offset']['offset']:+.4f} (call rate on the dataset "
-               f"{m['call_rate_after_offset']:.2f})")
-    budget = meta["budget"]
-    for row in budget["by_calls"]:
-        click.echo(f"after {row['calls']} call(s): {row['states']} decisions, gain "
-                   f"{row['gain']:.3f}, cost {row['cost']:.3f} tokens/ms "
-                   f"({row['runs']} runs x {budget['decision_ms']:.2f} ms)")
-    click.echo(f"b0 {meta['b0']} (at most {budget['most']})")
+    click.echo("\n".join(R.scheduler_lines(meta)))
     click.echo(f"artifact: {artifact}")
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():
@@ -467,6 +450,7 @@ def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, 
 
     from . import acceptance as A
     from . import bench as B
+    from . import report as R
     from .calibrate import provenance
     from .calibrate_acceptance import calibrate_acceptance as run
     from .family import store_acceptance
@@ -478,18 +462,7 @@ def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, 
     with click.progressbar(length=len(prompts), label="log outcomes", file=sys.stderr) as bar:
         report = run(family, prompts, Path(work_dir), settings, max_tokens, seed, bar.update)
     name = A.regime(not settings.greedy)
-    click.echo(f"{name}: {report['rows']} nodes from {report['prompts']} prompts, base rate "
-               f"{report['base_rate']:.3f}")
-    for split in ("train", "heldout"):
-        if split in report:
-            r = report[split]
-            click.echo(f"{split}: log-loss {r['log_loss']:.4f} (constant "
-                       f"{r['log_loss_constant']:.4f})")
-    click.echo("held-out reliability (predicted -> observed, nodes):")
-    for b in report.get("heldout", report.get("train"))["reliability"]:
-        if b["nodes"]:
-            click.echo(f"  [{b['lo']:.1f}, {b['hi']:.1f}): {b['predicted']:.3f} -> "
-                       f"{b['observed']:.3f} ({b['nodes']})")
+    click.echo("\n".join(R.acceptance_lines(name, report)))
     if write:
         if family.path is None or not (family.path / "treegraft.json").exists():
             raise click.ClickException("--write needs a bundle with treegraft.json")
@@ -536,7 +509,7 @@ def export_coreml(model, scheduler_dir, sampled, out) -> None:
 @click.option("--acceptance", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A bundle's acceptance.json: add its reliability table.")
 @click.option("--readme", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Rewrite this README's generated results block.")
+              help="Rewrite the generated results block of this file (benchmarks/RESULTS.md).")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None)
 def report(greedy, sampled, acceptance, readme, plot_out) -> None:
     """Results tables (and plot) from committed bench JSON files."""

@@ -12,12 +12,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from . import device, probe
-from .decoder import Decoder, StepStats, needs_costs, parse_strategy
+from .decoder import Decoder, StepStats, Strategy, needs_costs, parse_strategy
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
 from .sampling import SamplerSettings
@@ -26,6 +26,9 @@ from .session import Session
 
 @dataclass
 class GenerationResult:
+    """A finished generation: its text and tokens, and what its decoding did (generate.summary
+    figures, the finish reason, every step's statistics)."""
+
     text: str
     token_ids: list[int]
     prompt_tokens: int
@@ -79,9 +82,9 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
                                       drafter_calls=decoder.drafter_calls)
 
 
-def make_decoder(session: Session, strategy, settings: SamplerSettings,
+def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings,
                  rng: np.random.Generator, schedule: Optional[Schedule] = None,
-                 trace=None) -> Decoder:
+                 trace: Optional[Callable[[str], None]] = None) -> Decoder:
     """A decoder with what this device measured that the strategy needs (probe.py)."""
     family, tree = session.family, session.tree
     costs = probe.step_costs(family, tree) if needs_costs(strategy, tree) else None
@@ -91,7 +94,7 @@ def make_decoder(session: Session, strategy, settings: SamplerSettings,
     return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
 
 
-def tracing(trace: Optional[bool]):
+def tracing(trace: Optional[bool]) -> Optional[Callable[[str], None]]:
     """Where trace lines go: stderr when asked (or TREEGRAFT_TRACE=1), else nowhere."""
     on = os.environ.get("TREEGRAFT_TRACE", "") not in ("", "0") if trace is None else trace
     return (lambda line: print(line, file=sys.stderr)) if on else None

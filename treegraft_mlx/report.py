@@ -1,6 +1,6 @@
-"""Turns committed benchmark results (bench JSON) into the README table and the plot.
+"""Turns committed benchmark results (bench JSON) into the results tables and the plot.
 
-The README's results section is generated, never typed: `treegraft report` rewrites the text
+The results block (benchmarks/RESULTS.md) is generated, never typed: `treegraft report` rewrites the text
 between RESULTS_BEGIN and RESULTS_END from the JSON files, so every number there is one a run
 wrote down, with its machine, BLAS, dtype, date and command.
 """
@@ -220,3 +220,46 @@ def plot(reports: dict[str, dict], out: Path) -> None:
 
 def load_reports(paths: dict[str, Path]) -> dict[str, dict]:
     return {regime: json.loads(Path(p).read_text()) for regime, p in paths.items()}
+
+
+def scheduler_lines(meta: dict) -> list[str]:
+    """What `treegraft calibrate` prints of its artifact's metadata: decision quality per
+    split, the measured value offsets, and the budget b0 with what each call count gains."""
+    m, lines = meta["metrics"], []
+    for split in ("train", "heldout"):
+        if m[split]:
+            s = m[split]
+            lines.append(f"{split}: {m[split + '_rows']} decisions, sign accuracy "
+                         f"{s['sign_accuracy']:.2f}, call rate {s['call_rate']:.2f}, gain "
+                         f"{s['gain_policy']:.3f} (always {s['gain_always']:.3f}, oracle "
+                         f"{s['gain_oracle']:.3f}) tokens/ms")
+    for row in meta["value_offset"]["measured"]:
+        lines.append(f"offset {row['offset']:+.4f}: {row['tokens_per_sec']:.1f} tok/s, "
+                     f"{row['drafter_calls']} strong-drafter calls")
+    lines.append(f"value offset {meta['value_offset']['offset']:+.4f} (call rate on the "
+                 f"dataset {m['call_rate_after_offset']:.2f})")
+    budget = meta["budget"]
+    for row in budget["by_calls"]:
+        lines.append(f"after {row['calls']} call(s): {row['states']} decisions, gain "
+                     f"{row['gain']:.3f}, cost {row['cost']:.3f} tokens/ms "
+                     f"({row['runs']} runs x {budget['decision_ms']:.2f} ms)")
+    lines.append(f"b0 {meta['b0']} (at most {budget['most']})")
+    return lines
+
+
+def acceptance_lines(regime: str, report: dict) -> list[str]:
+    """What `treegraft calibrate-acceptance` prints of a regime's fit: its data, log-loss per
+    split against a constant, and the reliability curve."""
+    lines = [f"{regime}: {report['rows']} nodes from {report['prompts']} prompts, base rate "
+             f"{report['base_rate']:.3f}"]
+    for split in ("train", "heldout"):
+        if split in report:
+            r = report[split]
+            lines.append(f"{split}: log-loss {r['log_loss']:.4f} (constant "
+                         f"{r['log_loss_constant']:.4f})")
+    lines.append("held-out reliability (predicted -> observed, nodes):")
+    for b in report.get("heldout", report.get("train"))["reliability"]:
+        if b["nodes"]:
+            lines.append(f"  [{b['lo']:.1f}, {b['hi']:.1f}): {b['predicted']:.3f} -> "
+                         f"{b['observed']:.3f} ({b['nodes']})")
+    return lines
