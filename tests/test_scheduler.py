@@ -171,8 +171,8 @@ def test_labelling_explores_counterfactuals_without_changing_the_output(family):
     ids = family.tokenizer.encode(prompt)
     session = Session(family)
     curve = LatencyCurve({1: 10.0, 64: 40.0})
-    rows = C.label_prompt(session, ids, T.Timing(30.0, 5.0), curve, 24, 5,
-                          np.random.default_rng(0))
+    rows = C.label_prompt(session, ids, T.Timing(30.0, 5.0), curve,
+                          C.CalibrationRun(max_tokens=24, b0=5), np.random.default_rng(0))
     got = session.history.tokens[len(ids):]
     want = generate(family, prompt, "ar", max_tokens=len(got)).token_ids
     assert got[:len(want)] == want and len(want) >= 24
@@ -190,8 +190,9 @@ def test_sampled_labels_weigh_every_path_by_its_probability(family):
     prompt = first_per_category(read_prompts(CALIBRATION), 1)[0]["prompt"]
     session = Session(family)
     rows = C.label_prompt(session, family.tokenizer.encode(prompt), T.Timing(30.0, 5.0),
-                          LatencyCurve({1: 10.0, 64: 40.0}), 12, 5, np.random.default_rng(0),
-                          SamplerSettings(temp=0.7, top_p=0.95))
+                          LatencyCurve({1: 10.0, 64: 40.0}),
+                          C.CalibrationRun(12, 5, settings=SamplerSettings(temp=0.7, top_p=0.95)),
+                          np.random.default_rng(0))
     tokens = [r["branches"][k] for r in rows for k in ("tokens_call", "tokens_skip")]
     assert rows and all(1.0 <= t <= 6.0 for t in tokens)
     assert any(abs(t - round(t)) > 1e-3 for t in tokens)
@@ -205,7 +206,7 @@ def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
     prompts = read_prompts(CALIBRATION)[:3]
     calls = []
 
-    def fake_label(session, ids, timing, curve, max_tokens, b0, rng, settings):
+    def fake_label(session, ids, timing, curve, run, rng):
         calls.append(len(ids))
         return [{"x": [0.0] * 17, "label": 1.0, "layer": 1, "branches": {}}]
 
@@ -218,7 +219,7 @@ def test_dataset_resumes_after_an_interruption(family, tmp_path, monkeypatch):
     assert len(calls) == 3 and sorted(done) == sorted(p["id"] for p in prompts)
     with pytest.raises(ValueError, match="was labelled with"):
         C.build_dataset(family, prompts, tmp_path, T.Timing(30.0, 5.0),
-                        settings=SamplerSettings(temp=0.7))
+                        C.CalibrationRun(settings=SamplerSettings(temp=0.7)))
 
 
 def test_costs_are_measured_once_per_key_and_a_damaged_cache_is_remeasured(family, tmp_path):
@@ -306,8 +307,8 @@ def test_value_offset_candidates_and_end_to_end_choice():
 
     prompts = read_prompts(CALIBRATION)[:1]
     family = deterministic(load(fixture_path()))   # sizing and stretches never follow load
-    best, table = C.tune_offset(family, prompts, mlp, T.Timing(30.0, 5.0), 5,
-                                [0.0, offsets[-1]], max_tokens=12, repeats=2)
+    best, table = C.tune_offset(family, prompts, mlp, T.Timing(30.0, 5.0), [0.0, offsets[-1]],
+                                C.CalibrationRun(max_tokens=12, b0=5), repeats=2)
     by_offset = {row["offset"]: row for row in table}
     assert by_offset[offsets[-1]]["drafter_calls"] == 0 < by_offset[0.0]["drafter_calls"]
     assert best == max(table, key=lambda r: r["tokens_per_sec"])["offset"]

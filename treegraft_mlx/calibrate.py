@@ -72,6 +72,17 @@ OFFSET_CALL_RATES = (0.02, 0.05, 0.1, 0.2)   # candidate offsets: these call-rat
 OFFSET_REPEATS = 2                           # measurements per offset, order alternating
 
 
+@dataclass(frozen=True)
+class CalibrationRun:
+    """What one scheduler calibration labels and measures with, from the command line down."""
+
+    max_tokens: int = 64          # new tokens per calibration prompt
+    b0: int = 5                   # most strong-drafter calls per step while labelling; the
+                                  # runtime budget is chosen from the data, at most this
+    seed: int = 0
+    settings: SamplerSettings = SamplerSettings()   # the regime calibrated for
+
+
 @dataclass
 class Branches:
     """Both branches of one decision: committed tokens and step ms of each."""
@@ -104,10 +115,10 @@ def _play(session: Session, drafters: Drafters, build: TreeBuild, layer: int, ca
 
 
 def label_prompt(session: Session, ids: list[int], timing: Timing, curve: LatencyCurve,
-                 max_tokens: int, b0: int, rng: np.random.Generator,
-                 settings: SamplerSettings = SamplerSettings()) -> list[dict]:
-    """Generate up to `max_tokens` (greedy or sampled per `settings`), labelling every
+                 run: CalibrationRun, rng: np.random.Generator) -> list[dict]:
+    """Generate up to `run.max_tokens` (greedy or sampled per `run.settings`), labelling every
     decision point on the way."""
+    settings, b0 = run.settings, run.b0
     cfg = session.tree
     strong = session.strong
     drafters = Drafters(session.ngram, strong)
@@ -138,14 +149,13 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
         tree = build.tree.subtree(prune(build.tree, cfg.budget))
         return tree_step(session, drafters, tree, cfg.rows_for(len(tree)), settings, rng)
 
-    play(session, ids, settings, rng, max_tokens, step)
+    play(session, ids, settings, rng, run.max_tokens, step)
     return rows
 
 
 def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,
-                  max_tokens: int = 64, b0: int = 5, seed: int = 0,
-                  progress: Optional[Callable[[int], None]] = None,
-                  settings: SamplerSettings = SamplerSettings()) -> dict[str, list[dict]]:
+                  run: CalibrationRun = CalibrationRun(),
+                  progress: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
     """Label every prompt not labelled yet in `out_dir` (resumable), appending as it goes.
     A work directory holds one decoding regime: resuming it with other sampling settings is
     an error, not a mixed dataset."""
@@ -159,13 +169,12 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
         _write_json(curve_file, points)
     curve = LatencyCurve(points)
 
-    def run(i: int, p: dict) -> dict:
+    def label(i: int, p: dict) -> dict:
         rows = label_prompt(Session(family, family.tree), family.tokenizer.encode(p["prompt"]),
-                            timing, curve, max_tokens, b0, np.random.default_rng([seed, i]),
-                            settings)
+                            timing, curve, run, np.random.default_rng([run.seed, i]))
         return {"rows": rows}
 
-    done = resume(out_dir / DATASET, prompts, settings, run, progress)
+    done = resume(out_dir / DATASET, prompts, run.settings, label, progress)
     return {k: e["rows"] for k, e in done.items()}
 
 
@@ -258,11 +267,9 @@ def candidate_offsets(mlp: SchedulerMLP, x: np.ndarray) -> list[float]:
 
 
 def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: Timing,
-                b0: int, offsets: list[float], max_tokens: int, repeats: int = OFFSET_REPEATS,
-                progress: Optional[Callable[[int], None]] = None,
-                settings: SamplerSettings = SamplerSettings(),
-                seed: int = 0) -> tuple[float, list[dict]]:
-    """Tokens/s (greedy or sampled per `settings`, seeded) of the scheduler at each offset on
+                offsets: list[float], run: CalibrationRun, repeats: int = OFFSET_REPEATS,
+                progress: Optional[Callable[[int], None]] = None) -> tuple[float, list[dict]]:
+    """Tokens/s (greedy or sampled per `run.settings`, seeded) of the scheduler at each offset on
     `prompts` (order alternating across repeats), and the measured cost of one decision run
     (features, look-ahead, one MLP evaluation); returns the fastest offset and the
     measurements."""
@@ -273,11 +280,10 @@ def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: 
     evaluations = {o: 0 for o in offsets}
     for rep in range(repeats):
         for o in (offsets if rep % 2 == 0 else offsets[::-1]):
-            schedule = LearnedSchedule(shifted(mlp, o), timing.t_tgt_ms, timing.t_mid_ms, b0)
+            schedule = LearnedSchedule(shifted(mlp, o), timing.t_tgt_ms, timing.t_mid_ms, run.b0)
             for p in prompts:
-                r = generate(family, p["prompt"], "treegraft-learned", max_tokens=max_tokens,
-                             schedule=schedule, temp=settings.temp, top_p=settings.top_p,
-                             top_k=settings.top_k, min_p=settings.min_p, seed=seed)
+                r = generate(family, p["prompt"], "treegraft-learned", max_tokens=run.max_tokens,
+                             schedule=schedule, settings=run.settings, seed=run.seed)
                 tokens[o] += r.generation_tokens
                 seconds[o] += r.generation_tokens / r.tokens_per_sec if r.tokens_per_sec else 0.0
                 calls[o] += r.drafter_calls
@@ -363,21 +369,19 @@ def provenance(prompts_file: Path, prompts: list[dict]) -> dict:
 
 
 def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: Path,
-              timing: Timing, artifact_dir: Path, max_tokens: int = 64, b0: int = 5,
-              seed: int = 0, progress: Optional[Callable[[int], None]] = None,
-              settings: SamplerSettings = SamplerSettings()) -> dict:
+              timing: Timing, artifact_dir: Path, run: CalibrationRun = CalibrationRun(),
+              progress: Optional[Callable[[int], None]] = None) -> dict:
     """Label (resumably), train, correct the value's zero point end to end, choose the
-    runtime budget (at most `b0`, the labelling budget) and save the scheduler artifact;
+    runtime budget (at most `run.b0`, the labelling budget) and save the scheduler artifact;
     returns its metadata. `progress` advances once per prompt labelled
     and once per offset measured (calibration_units in all)."""
-    dataset = build_dataset(family, prompts, out_dir, timing, max_tokens, b0, seed, progress,
-                            settings)
+    b0, settings = run.b0, run.settings
+    dataset = build_dataset(family, prompts, out_dir, timing, run, progress)
     dataset = {p["id"]: dataset[p["id"]] for p in prompts if p["id"] in dataset}
-    mlp, metrics = train_mlp(dataset, seed=seed)
+    mlp, metrics = train_mlp(dataset, seed=run.seed)
     x = np.array([r["x"] for rows in dataset.values() for r in rows], np.float32)
     offsets = candidate_offsets(mlp, x)
-    offset, table = tune_offset(family, prompts, mlp, timing, b0, offsets, max_tokens,
-                                progress=progress, settings=settings, seed=seed)
+    offset, table = tune_offset(family, prompts, mlp, timing, offsets, run, progress=progress)
     mlp = shifted(mlp, offset)
     metrics["call_rate_after_offset"] = float((np.array(mlp.value(mx.array(x))) > 0).mean())
     decision_ms = next(row["decision_ms"] for row in table if row["offset"] == offset)
@@ -394,7 +398,7 @@ def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: 
             "sampling": asdict(settings),
             "value_offset": {"offset": offset, "folded_into": "out_mean",
                              "measured": table, "repeats": OFFSET_REPEATS},
-            "tree": asdict(tree), "max_tokens": max_tokens, "seed": seed,
+            "tree": asdict(tree), "max_tokens": run.max_tokens, "seed": run.seed,
             "calibration_prompts": provenance(prompts_file, prompts),
             "machine": machine_info(), "metrics": metrics}
     mlp.save(artifact_dir, meta)

@@ -411,7 +411,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
 
     from . import bench as B
     from . import report as R
-    from .calibrate import calibrate as run, calibration_units, dataset_timing
+    from .calibrate import CalibrationRun, calibrate as run, calibration_units, dataset_timing
     from .family import install_scheduler
     from .probe import scheduler_timing
     from .sampling import SamplerSettings
@@ -427,8 +427,8 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
     artifact = work / "scheduler"
     with click.progressbar(length=calibration_units(prompts), label="calibrate",
                            file=sys.stderr) as bar:
-        meta = run(family, Path(prompts_file), prompts, work, timing, artifact, max_tokens, b0,
-                   seed, bar.update, settings)
+        meta = run(family, Path(prompts_file), prompts, work, timing, artifact,
+                   CalibrationRun(max_tokens, b0, seed, settings), bar.update)
     click.echo("\n".join(R.scheduler_lines(meta)))
     click.echo(f"artifact: {artifact}")
     if write:
