@@ -58,6 +58,9 @@ LEARNED_LAYERS = frozenset({1})
 
 @dataclass
 class StepStats:
+    """What one target forward after the prefill did: what was built, verified and accepted,
+    and where its time went (the bench's columns and the trace's line)."""
+
     accepted: int                 # drafts accepted (committed tokens this step - 1)
     nodes_verified: int
     nodes_built: int
