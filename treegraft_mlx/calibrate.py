@@ -39,6 +39,7 @@ gain (their labels) no longer pays for those evaluations (`budget_table`, `choos
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -153,6 +154,17 @@ def label_prompt(session: Session, ids: list[int], timing: Timing, curve: Latenc
     return rows
 
 
+def latency_curve(family: Family, curve_file: Path) -> LatencyCurve:
+    """The verification curve a work directory labels with: measured on its first use and
+    kept in `curve_file`, so a resumed run labels with the same one."""
+    if curve_file.exists():
+        points = {int(k): v for k, v in json.loads(curve_file.read_text()).items()}
+    else:
+        points = verification_latency(family.target, sizes=(1, 4, 8, 16, 32, 64))
+        _write_json(curve_file, points)
+    return LatencyCurve(points)
+
+
 def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Timing,
                   run: CalibrationRun = CalibrationRun(),
                   progress: Optional[Callable[[int], None]] = None) -> dict[str, list[dict]]:
@@ -161,17 +173,12 @@ def build_dataset(family: Family, prompts: list[dict], out_dir: Path, timing: Ti
     an error, not a mixed dataset."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    curve_file = out_dir / "latency.json"
-    if curve_file.exists():
-        points = {int(k): v for k, v in json.loads(curve_file.read_text()).items()}
-    else:
-        points = verification_latency(family.target, sizes=(1, 4, 8, 16, 32, 64))
-        _write_json(curve_file, points)
-    curve = LatencyCurve(points)
+    # Read or measured once, when the first prompt is labelled (after the regime check).
+    curve = functools.cache(lambda: latency_curve(family, out_dir / "latency.json"))
 
     def label(i: int, p: dict) -> dict:
         rows = label_prompt(Session(family, family.tree), family.tokenizer.encode(p["prompt"]),
-                            timing, curve, run, np.random.default_rng([run.seed, i]))
+                            timing, curve(), run, np.random.default_rng([run.seed, i]))
         return {"rows": rows}
 
     done = resume(out_dir / DATASET, prompts, run.settings, label, progress)

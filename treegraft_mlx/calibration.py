@@ -4,8 +4,8 @@ resumable per-prompt log they write it to (one JSON line per prompt, one regime 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np

@@ -104,7 +104,6 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
                 click.echo(_colored(family.tokenizer, r) if color else r.text, nl=False)
     except (ValueError, PipelineError) as e:
         raise click.ClickException(str(e)) from None
-    steps = last.steps if last else 0
     if as_json:
         click.echo(json.dumps({"text": text, "token_ids": ids, **summary(last, strategy)}))
     else:
@@ -112,7 +111,7 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
     if verbose and last:
         click.echo(f"prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tok/s | "
                    f"generation: {last.generation_tokens} tokens, {last.generation_tps:.1f} "
-                   f"tok/s, {steps} steps, {len(ids) / max(steps, 1):.2f} tokens/step", err=True)
+                   f"tok/s, {last.steps} steps, {last.mean_accepted:.2f} tokens/step", err=True)
 
 
 def _colored(tokenizer, r) -> str:

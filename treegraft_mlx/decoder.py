@@ -23,7 +23,6 @@ its drafts are worth on this device, the root alone being a pipelined AR step. W
 What the sizing and the call policy learn while running (the worth of drafting, of a call) follows
 measured drafting times, so a seeded sampled run can differ between runs (never in its
 distribution); a fixed budget repeats exactly.
-
 """
 
 from __future__ import annotations
@@ -49,7 +48,6 @@ from .verify import Acceptance, accept, verify
 
 DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
-MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
 # Where `treegraft-learned` may call the strong drafter: layer 1 (the learned scheduler's
 # budget b0 is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls); without
 # a scheduler, the call is made on every step.
@@ -152,11 +150,11 @@ class Decoder:
         family = session.family
         if schedule is not None:
             self.schedule = schedule
-        elif strategy.learned and (learned := family.scheduler(not settings.greedy)) is not None:
+        elif needs_timing(strategy, session, settings, schedule):
             if timing is None:
                 raise ValueError("the learned scheduler needs this device's timing "
                                  "(probe.scheduler_timing)")
-            mlp, meta = learned
+            mlp, meta = family.scheduler(not settings.greedy)
             self.schedule = LearnedSchedule(mlp, timing.t_tgt_ms, timing.t_mid_ms, meta["b0"])
         self.sizer: Optional[Sizer] = None
         if needs_costs(strategy, session.tree):
@@ -285,6 +283,7 @@ class Decoder:
             else:
                 build = self._build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
+                chain = build.chain
                 plan = self.sizer.plan(full, history.committed)
             carried = None
             t1 = self.clock()
@@ -484,3 +483,11 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
 def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:
     """Whether decoding `strategy` sizes its steps, and so needs this device's step costs."""
     return strategy.kind == "tree" and tree.adaptive
+
+
+def needs_timing(strategy: Strategy, session: Session, settings: SamplerSettings,
+                 schedule: Optional[Schedule]) -> bool:
+    """Whether decoding runs the family's learned scheduler (no schedule given, and one for
+    the regime exists), and so needs this device's T_tgt / T_mid."""
+    return (schedule is None and strategy.learned
+            and session.family.scheduler(not settings.greedy) is not None)

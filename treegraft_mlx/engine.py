@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from . import device, probe
-from .decoder import Decoder, StepStats, Strategy, needs_costs, parse_strategy
+from .decoder import Decoder, StepStats, Strategy, needs_costs, needs_timing, parse_strategy
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
 from .sampling import SamplerSettings
@@ -56,8 +56,8 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     """Stream a generation with any strategy; output is exactly the target's.
 
     `prompt` is a raw string (no chat template) or token ids. Sampling: `temp`, `top_p`,
-    `top_k`, `min_p`, or all of them as one `settings` (then leave those at their defaults). `session` keeps the caches
-    between calls (chat turns reuse the shared prefix). `schedule` replaces the strategy's
+    `top_k`, `min_p`, or all of them as one `settings` (then leave those at their defaults).
+    `session` keeps the caches between calls (chat turns reuse the shared prefix). `schedule` replaces the strategy's
     layer schedule (tree strategies). `trace` (default: the TREEGRAFT_TRACE environment
     variable) prints every step's decisions to stderr. Each response carries the running
     step statistics and strong-drafter calls.
@@ -89,8 +89,7 @@ def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings
     family, tree = session.family, session.tree
     costs = probe.step_costs(family, tree) if needs_costs(strategy, tree) else None
     timing = (probe.scheduler_timing(family, tree)
-              if strategy.learned and family.scheduler(not settings.greedy) is not None
-              and schedule is None else None)
+              if needs_timing(strategy, session, settings, schedule) else None)
     return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
-from .acceptance import AcceptanceModel
+from .acceptance import REGIMES, AcceptanceModel, save as save_acceptance
 from .fixtures import family_manifest
 from .loading import LoadError, load_model, resolve_path
 from .models import Model
@@ -185,8 +186,6 @@ def install_scheduler(bundle: Path, artifact: Path, sampled: bool) -> Path:
     """Copy a calibrated scheduler artifact into a bundle (scheduler/ or scheduler-sampled/)
     and name it in the manifest. Copied beside its destination first, then renamed over it:
     an interrupted install leaves the old artifact whole."""
-    import shutil
-
     entry = scheduler_entry(sampled)
     dest = Path(bundle) / entry.replace("_", "-")
     tmp = dest.with_name(f"{dest.name}.tmp")
@@ -201,12 +200,10 @@ def install_scheduler(bundle: Path, artifact: Path, sampled: bool) -> Path:
 def store_acceptance(bundle: Path, regime: str, report: dict) -> Path:
     """Merge one regime's fitted acceptance weights into a bundle's acceptance.json (the
     other regimes' kept) and name it in the manifest."""
-    from . import acceptance as A
-
     out = Path(bundle) / "acceptance.json"
     stored = json.loads(out.read_text()) if out.exists() else {}
-    reports = {r: stored[r] for r in A.REGIMES if r in stored and r != regime}
+    reports = {r: stored[r] for r in REGIMES if r in stored and r != regime}
     reports[regime] = report
-    A.save(out, reports, {})
+    save_acceptance(out, reports, {})
     update_manifest(bundle, acceptance=out.name)
     return out

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from . import device
-from .decoder import MAX_STEP_ROWS, Decoder, parse_strategy
+from .decoder import Decoder, parse_strategy
 from .family import Family, TreeConfig
 from .generate import Response, encode_prompt, stream
 from .sampling import SamplerSettings
@@ -32,6 +32,7 @@ from .tree import build_cap
 PROBE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                 "def mul(a, b):\n")
 PROBE_TOKENS = 32
+MAX_STEP_ROWS = 32         # the largest block a step may verify (and the cost table measures)
 LATENCY_REPEATS = 3
 LONG_CONTEXT = 1280        # the second context the row cost is measured at
 # Block sizes the latency table measures: every small one (where trees are chosen and kernels

@@ -2,8 +2,8 @@
 
 Two records: the step costs the per-step size choice prices (the target's verification latency
 for every block size, a pipelined AR step, a tree step's host work) and the scheduler's T_tgt /
-T_mid. Measuring runs generations, which is the engine's business: the engine passes in the
-measuring functions, so this module only stores, keys and reuses what they return.
+T_mid. Measuring runs generations, which is probe.py's business: it passes in the measuring
+functions, so this module only stores, keys and reuses what they return.
 """
 
 from __future__ import annotations
