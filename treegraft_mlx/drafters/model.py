@@ -8,13 +8,46 @@ step in its cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
+from ..device import on_gpu
 from ..history import History, host_logsumexp
 from ..tree import NAN, DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
+
+
+LogProbs = Union[mx.array, np.ndarray]   # (rows, V): on the device on a GPU, else on the host
+
+
+def log_softmax_top_k(logits: mx.array, k: int) -> tuple[LogProbs, np.ndarray, np.ndarray]:
+    """Each row's log-probs and its k best tokens with theirs, where that is cheapest: on a GPU
+    in MLX (only the top-k leave it); on MLX's CPU backend in numpy, whose `exp` is vectorised
+    (docs/design.md §4.1)."""
+    if on_gpu():
+        logp = logits - mx.logsumexp(logits, -1, keepdims=True)
+        top_ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+        top_lp = mx.take_along_axis(logp, top_ids, -1)
+        mx.eval(logp, top_ids, top_lp)
+        return logp, np.array(top_ids), np.array(top_lp)
+    rows = np.array(logits)
+    logp = rows - host_logsumexp(rows)[:, None]
+    top_ids = np.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    return logp, top_ids, np.take_along_axis(logp, top_ids, -1)
+
+
+def token_logprobs(logp: LogProbs, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """logp[rows[i], tokens[i]] for every i, gathered where logp lives."""
+    if isinstance(logp, np.ndarray):
+        return logp[rows, tokens]
+    return np.array(mx.take_along_axis(logp[mx.array(rows)], mx.array(tokens)[:, None], -1)[:, 0])
+
+
+def stack_rows(old: Optional[LogProbs], new: LogProbs) -> LogProbs:
+    if old is None:
+        return new
+    return np.concatenate([old, new]) if isinstance(new, np.ndarray) else mx.concatenate([old, new])
 
 
 @dataclass
@@ -23,7 +56,7 @@ class StepState:
 
     committed: int
     done: int = 0
-    logp: Optional[mx.array] = None                  # (done, V) log-probs after each node
+    logp: Optional[LogProbs] = None                  # (done, V) log-probs after each node
     top_ids: Optional[np.ndarray] = None             # (done, top_k) S's best next tokens
     top_lp: Optional[np.ndarray] = None
 
@@ -102,22 +135,17 @@ class ModelDrafter:
                             logits_rows=mx.arange(m, m + n - done))[0].astype(mx.float32)
         self.cache.commit()
         self.calls += 1
-        logp = logits - mx.logsumexp(logits, -1, keepdims=True)
-        k = self.top_k
-        top_ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
-        top_lp = mx.take_along_axis(logp, top_ids, -1)
-        step.logp = logp if step.logp is None else mx.concatenate([step.logp, logp])
-        mx.eval(step.logp, top_ids, top_lp)
-        step.top_ids = np.concatenate([step.top_ids, np.array(top_ids)]) if done else np.array(top_ids)
-        step.top_lp = np.concatenate([step.top_lp, np.array(top_lp)]) if done else np.array(top_lp)
+        logp, top_ids, top_lp = log_softmax_top_k(logits, self.top_k)
+        step.logp = stack_rows(step.logp, logp)
+        step.top_ids = np.concatenate([step.top_ids, top_ids]) if done else top_ids
+        step.top_lp = np.concatenate([step.top_lp, top_lp]) if done else top_lp
         step.done = n
         return step
 
     def expand(self, tree: DraftTree, frontier: list[int], layer: int, history: History) -> list[int]:
         step = self._run_new_nodes(tree, history)
         parent = np.asarray(tree.parent)
-        edge = np.array(mx.take_along_axis(step.logp[mx.array(np.maximum(parent, 0))],
-                                           mx.array(tree.token)[:, None], -1)[:, 0])
+        edge = token_logprobs(step.logp, np.maximum(parent, 0), np.asarray(tree.token))
 
         # Rescore: every node's score becomes S's cumulative path log-prob (float32).
         score = np.zeros(len(tree), dtype=np.float32)
