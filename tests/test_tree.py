@@ -153,7 +153,9 @@ class FakeStrong:
         return mx.array(out[None])
 
 
-def test_graft_rescores_reselects_shallow_and_deletes_nothing():
+@pytest.mark.parametrize("on_gpu", [False, True])      # numpy path; MLX path (a GPU's)
+def test_graft_rescores_reselects_shallow_and_deletes_nothing(monkeypatch, on_gpu):
+    monkeypatch.setattr("treegraft_mlx.drafters.model.on_gpu", lambda: on_gpu)
     h = history_of([1, 2, 3, 4])
     strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
     t = DraftTree.rooted_at(4)
