@@ -25,7 +25,8 @@ import mlx.core as mx
 from ..cache import KVCache
 from ..device import available_memory
 from ..family import check_same_tokenizer
-from ..loading import LoadError, read_config, resolve_path, weight_files
+from ..hub import resolve_path
+from ..loading import LoadError, read_config, weight_files
 from mlx.utils import tree_flatten
 
 from ..models import build_model, legacy_config, model_args

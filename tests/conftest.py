@@ -1,7 +1,14 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# No test reaches the network or reads the user's Hugging Face cache: huggingface_hub reads
+# these when it is imported (test_hub.py runs its own Hub stand-in, in subprocesses).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="treegraft-test-hf-")
 
 import treegraft_mlx  # noqa: F401  first: it loads the system OpenBLAS before mlx (blas.py)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import click
@@ -18,20 +20,52 @@ def main() -> None:
     """TreeGraft speculative decoding on MLX."""
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """--model and what travels with it: which models to load, and how."""
+
+    model: Optional[str] = None          # None: the bundled tg-tiny family
+    revision: Optional[str] = None
+    draft_models: tuple[str, ...] = ()
+    q_bits: Optional[int] = None
+    autotune: bool = True
+    pipeline: bool = False
+
+
 def family_options(f):
-    """--model / --draft-model / --strategy, shared by the commands that generate."""
-    f = click.option("--strategy", default="treegraft", show_default=True,
-                     help="ar, chain[:k], ngram, draft, treegraft or treegraft-fixed:<layers>.")(f)
+    """--model, --revision, --draft-model, --q-bits, --autotune, --pipeline (gathered into one
+    `source: ModelSource`) and --strategy, shared by the commands that generate."""
+    @functools.wraps(f)
+    def command(model, revision, draft_models, q_bits, autotune, pipeline, **kwargs):
+        return f(source=ModelSource(model, revision, draft_models,
+                                    int(q_bits) if q_bits else None, autotune, pipeline), **kwargs)
+
+    command = click.option("--strategy", default="treegraft", show_default=True,
+                           help="ar, chain[:k], ngram, draft, treegraft or "
+                           "treegraft-fixed:<layers>.")(command)
+    command = click.option("--pipeline", is_flag=True,
+                           help="Split the target's layers over the processes mlx.launch "
+                           "started (--hosts / --hostfile); rank 0 drafts and prints.")(command)
+    command = click.option("--autotune/--no-autotune", default=True, show_default=True,
+                           help="Measure this device's step costs on the first run of a model "
+                           "pair (cached); without, steps verify the bundle's fixed tree.")(command)
+    command = click.option("--q-bits", default=None, type=click.Choice(["2", "3", "4", "6", "8"]),
+                           help="Quantize a plain checkpoint once (cached) and run that "
+                           "(default: as given).")(command)
+    command = click.option("--revision", default=None,
+                           help="Hub revision (branch, tag or commit) of --model.")(command)
+    return model_options(command)
+
+
+def model_options(f):
+    """--model and --draft-model, as `mlx_lm` spells them."""
     f = click.option("--draft-model", "draft_models", multiple=True,
-                     help="Drafter model path (repeatable; the last one is the strong drafter).")(f)
-    f = click.option("--pipeline", is_flag=True,
-                     help="Split the target's layers over the processes mlx.launch started "
-                     "(--hosts / --hostfile); rank 0 drafts and prints.")(f)
-    f = click.option("--autotune/--no-autotune", default=True, show_default=True,
-                     help="Measure this device's step costs on the first run of a model pair "
-                     "(cached); without, steps verify the bundle's fixed tree.")(f)
-    return click.option("--model", default=None, help="Bundle directory, target model path or "
-                        "cached repo id (default: the bundled tg-tiny family).")(f)
+                     help="Drafter: path or Hub repo (repeatable; the last is the strong "
+                     "drafter). Absent: one is chosen for a target; 'none': the n-gram drafter "
+                     "alone.")(f)
+    return click.option("--model", default=None, help="Bundle directory, model directory or "
+                        "Hub repo id, downloaded on first use (default: the bundled tg-tiny "
+                        "family).")(f)
 
 
 def sampling_options(f):
@@ -49,17 +83,23 @@ def sampling_options(f):
     return f
 
 
-def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: bool = True,
-                pipeline: bool = False):
+def load_family(source: ModelSource):
     """The family to generate with; None on a pipeline rank other than 0, once rank 0 is done
     (it served its layers meanwhile)."""
+    from .convert import ConvertError
     from .engine import load
+    from .pairing import choose_models
     from .pipeline import PipelineError
 
     try:
-        return load(model or fixture_path(), drafters=draft_models, autotune=autotune,
-                    pipeline=pipeline)
-    except (LoadError, MemoryError, PipelineError) as e:
+        if source.model is None:
+            return load(fixture_path(), drafters=source.draft_models, autotune=source.autotune,
+                        pipeline=source.pipeline)
+        models = choose_models(source.model, source.draft_models, source.revision, source.q_bits,
+                               log=lambda line: click.echo(line, err=True))
+        return load(models.target, drafters=models.drafters, autotune=source.autotune,
+                    pipeline=source.pipeline)
+    except (LoadError, MemoryError, PipelineError, ConvertError) as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -76,7 +116,7 @@ def load_family(model: Optional[str], draft_models: tuple[str, ...], autotune: b
 @click.option("--color", is_flag=True, help="Colour tokens that came from accepted drafts.")
 @click.option("--trace", is_flag=True,
               help="Print every step's decisions to stderr (also: TREEGRAFT_TRACE=1).")
-def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_tokens, temp,
+def generate(source, strategy, prompt, max_tokens, temp,
              top_p, top_k, min_p, seed, stop, chat_template, as_json, verbose, color,
              trace) -> None:
     """Generate text from a prompt, streamed to stdout."""
@@ -85,7 +125,7 @@ def generate(model, autotune, pipeline, draft_models, strategy, prompt, max_toke
     from .pipeline import PipelineError
     from .sampling import SamplerSettings
 
-    family = load_family(model, draft_models, autotune, pipeline)
+    family = load_family(source)
     if family is None:
         return
     if prompt is None or prompt == "-":
@@ -125,7 +165,7 @@ def _colored(tokenizer, r) -> str:
 @main.command()
 @family_options
 @sampling_options
-def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, top_p, top_k,
+def chat(source, strategy, max_tokens, temp, top_p, top_k,
          min_p, seed) -> None:
     """Interactive multi-turn chat, streamed; caches are reused across turns.
 
@@ -137,7 +177,7 @@ def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, to
     from .sampling import SamplerSettings
     from .session import Session
 
-    family = load_family(model, draft_models, autotune, pipeline)
+    family = load_family(source)
     if family is None:
         return
     session, messages, stats = Session(family), [], None
@@ -187,7 +227,7 @@ def chat(model, autotune, pipeline, draft_models, strategy, max_tokens, temp, to
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
-def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tokens_limit,
+def serve(source, strategy, host, port, max_tokens_limit,
           max_body_bytes) -> None:
     """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
     from pathlib import Path
@@ -199,10 +239,10 @@ def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tok
         parse_strategy(strategy)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    family = load_family(model, draft_models, autotune, pipeline)
+    family = load_family(source)
     if family is None:
         return
-    model_id = Path(str(model)).name if model else "tg-tiny"
+    model_id = Path(str(source.model)).name if source.model else "tg-tiny"
     server = make_server(family, host, port, ServerConfig(model_id, strategy, max_tokens_limit,
                                                           max_body_bytes))
     click.echo(f"serving {model_id} ({strategy}) on http://{host}:{server.server_port}", err=True)
@@ -220,8 +260,7 @@ def serve(model, autotune, pipeline, draft_models, strategy, host, port, max_tok
 @click.option("--strategies", default="ar,mlx_lm,mlx_lm_spec,chain,ngram,draft,treegraft",
               show_default=True, help="Comma-separated; treegraft-fixed:<layers> uses '+' "
               "between layers here (treegraft-fixed:1+3).")
-@click.option("--model", default=None, help="Bundle or target (default: bundled tg-tiny).")
-@click.option("--draft-model", "draft_models", multiple=True)
+@model_options
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--repeat", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--warmup", default=1, show_default=True, type=click.IntRange(0))
@@ -250,7 +289,7 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
     names = [s.strip().replace("+", ",") for s in strategies.split(",") if s.strip()]
     if "ar" not in names:
         names.insert(0, "ar")
-    family = load_family(model, draft_models)
+    family = load_family(ModelSource(model, draft_models=draft_models))
     prompts = B.read_prompts(Path(prompts_file))
     if per_category:
         prompts = B.first_per_category(prompts, per_category)
@@ -281,7 +320,37 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
 
 
 @main.command()
-@click.option("--hf-path", required=True, help="Target: local path or repo id in the HF cache.")
+@click.argument("repo")
+@click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
+def pull(repo, revision) -> None:
+    """Download a model from the Hub into the local cache, without running it."""
+    from .hub import fetch
+
+    try:
+        click.echo(fetch(repo, revision))
+    except LoadError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command("ls")
+def list_models() -> None:
+    """The models in the local Hugging Face cache treegraft can run, and the drafter each gets."""
+    from .pairing import cached_models
+
+    rows = [(m.repo, f"{m.bytes / 2**30:.2f} GiB", m.quantization, m.drafter)
+            for m in cached_models()]
+    if not rows:
+        click.echo("no runnable model in the local cache (`treegraft pull REPO` fetches one)")
+        return
+    rows.insert(0, ("model", "size", "weights", "drafter"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+
+
+@main.command()
+@click.option("--hf-path", required=True,
+              help="Target: local path or Hub repo id (downloaded on first use).")
 @click.option("--draft-hf-path", "draft_paths", multiple=True, help="Drafter (repeatable).")
 @click.option("--mlx-path", required=True, help="Output bundle directory (must not exist).")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize linear and embedding weights.")
@@ -341,7 +410,7 @@ def calibrate_budget(prompts_file, model, strategy, budgets, top_ks, depths, max
     def ints(spec: str) -> list[int]:
         return [int(x) for x in spec.split(",") if x.strip()]
 
-    family = load_family(model, ())
+    family = load_family(ModelSource(model))
     prompts = B.read_prompts(Path(prompts_file))
     grid = (ints(budgets), ints(top_ks), ints(depths))
     with click.progressbar(length=len(prompts) * len(grid[0]) * len(grid[1]) * len(grid[2]),
@@ -415,7 +484,7 @@ def calibrate(prompts_file, model, work_dir, max_tokens, seed, temp, top_p, b0, 
     from .probe import scheduler_timing
     from .sampling import SamplerSettings
 
-    family = load_family(model, ())
+    family = load_family(ModelSource(model))
     if family.strong is None:
         raise click.ClickException("calibration needs a family with a strong drafter")
     prompts = B.read_prompts(Path(prompts_file))
@@ -455,7 +524,7 @@ def calibrate_acceptance(prompts_file, model, work_dir, max_tokens, seed, temp, 
     from .family import store_acceptance
     from .sampling import SamplerSettings
 
-    family = load_family(model, ())
+    family = load_family(ModelSource(model))
     prompts = B.read_prompts(Path(prompts_file))
     settings = SamplerSettings(temp, top_p)
     with click.progressbar(length=len(prompts), label="log outcomes", file=sys.stderr) as bar:

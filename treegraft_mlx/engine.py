@@ -20,6 +20,8 @@ from . import device, probe
 from .decoder import Decoder, StepStats, Strategy, needs_costs, needs_timing, parse_strategy
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
+from .hub import resolve_path
+from .pairing import choose_models
 from .sampling import SamplerSettings
 from .scheduler import Schedule
 from .session import Session
@@ -114,15 +116,24 @@ def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwar
         time_to_first_token=last.prompt_tokens / last.prompt_tps if last else 0.0)
 
 
-def load(target_path_or_bundle: Union[str, Path], drafters: Sequence = (),
+def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str] = (),
          tree: Optional[TreeConfig] = None, warmup: bool = True, autotune: bool = True,
-         pipeline: bool = False, **model_kwargs) -> Optional[Family]:
+         pipeline: bool = False, revision: Optional[str] = None,
+         **model_kwargs) -> Optional[Family]:
     """Load a family (family.load_family) and, with `warmup`, measure what this device's steps
     cost (and, with a strong drafter, what a call of it costs) unless cached, so the first
     generation does not pay for it: seconds, once per model pair and device. Without
     `autotune` nothing is measured: steps verify the bundle's fixed tree (budget, pad).
     With `pipeline` (under mlx.launch) the target is split over the ranks (pipeline.py); on
-    ranks other than 0 this serves rank 0 until it stops and returns None."""
+    ranks other than 0 this serves rank 0 until it stops and returns None. A Hub repo id is
+    downloaded on first use (`revision` pins it); drafters="auto" picks the strong drafter
+    (pairing.py) and prints one line on what it picked."""
+    if drafters == "auto":
+        models = choose_models(target_path_or_bundle, (), revision,
+                               log=lambda line: print(line, file=sys.stderr))
+        target_path_or_bundle, drafters = models.target, models.drafters
+    else:
+        target_path_or_bundle = resolve_path(target_path_or_bundle, revision)
     if pipeline:
         from .pipeline import start
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from .acceptance import REGIMES, AcceptanceModel, save as save_acceptance
 from .fixtures import family_manifest
-from .loading import LoadError, load_model, resolve_path
+from .hub import resolve_path
+from .loading import LoadError, load_model
 from .models import Model
 from .pricing import Learned
 from .scheduler import load_artifact

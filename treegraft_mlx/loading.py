@@ -16,32 +16,9 @@ from mlx.utils import tree_flatten
 
 from . import device
 from .cache import KVCache
+from .errors import LoadError
+from .hub import resolve_path
 from .models import Model, ModelArgs, build_model, model_args
-
-
-class LoadError(ValueError):
-    """A checkpoint cannot be loaded; the message says why and where."""
-
-
-def resolve_path(path_or_repo: Union[str, Path]) -> Path:
-    """A local directory, or a repo id already in the Hugging Face cache (never downloads)."""
-    path = Path(path_or_repo).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise LoadError(f"{path} is a file; expected a model directory")
-    text = str(path_or_repo)
-    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(text, local_files_only=True))
-        except (LocalEntryNotFoundError, OSError, ValueError) as e:
-            raise LoadError(
-                f"{text!r} is neither a local directory nor a repo in the local Hugging Face "
-                f"cache (no download is attempted): {e}") from None
-    raise LoadError(f"model path {text!r} does not exist")
 
 
 def read_config(path: Path) -> dict:
@@ -142,15 +119,17 @@ def estimate_bytes(args: ModelArgs, weight_bytes: int, context: int, dtype: mx.D
 
 
 def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
-               context: Optional[int] = None, lazy: bool = False, stage=None):
+               context: Optional[int] = None, lazy: bool = False, stage=None,
+               revision: Optional[str] = None):
     """Load a model and its tokenizer: `model, tokenizer = load_model(path)`.
 
     dtype: compute dtype (default: fp32 on CPU, the checkpoint's dtype on a GPU). context: the
     longest context to plan memory for (default: the model's limit); loading is refused with a
     clear message when weights plus KV cache would not fit in memory. stage: a
-    `pipeline.Stage`: only its layers (and embedding / head) are read and held.
+    `pipeline.Stage`: only its layers (and embedding / head) are read and held. A repo id is
+    downloaded on first use (hub.py); revision pins its commit.
     """
-    path = resolve_path(path_or_repo)
+    path = resolve_path(path_or_repo, revision)
     config = read_config(path)
     try:
         args = model_args(config)

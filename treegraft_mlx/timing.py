@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import statistics
 import time
@@ -22,6 +21,7 @@ from typing import Callable, Optional, TypeVar
 import mlx.core as mx
 import numpy as np
 
+from .hub import treegraft_cache
 from .tree import attention_mask, positions
 
 LATENCY_CONTEXT = 256      # committed tokens behind the measured blocks
@@ -77,8 +77,7 @@ class StepCosts:
 
 
 def default_cache_file() -> Path:
-    root = os.environ.get("TREEGRAFT_CACHE") or Path.home() / ".cache" / "treegraft_mlx"
-    return Path(root) / "timings.json"
+    return treegraft_cache() / "timings.json"
 
 
 def device_key() -> str:
