@@ -196,3 +196,14 @@ def test_a_plain_checkpoint_is_quantized_once_and_reused(tmp_path, monkeypatch):
     # an already quantized model is used as it is
     assert choose_models(first, ("none",), q_bits=8, log=lines.append).target == first
     assert lines[-1].endswith("already quantized, used as it is")
+
+
+def test_a_known_pair_is_downloaded_for_a_target_that_has_none_cached(tmp_path):
+    repos = {"Qwen/Qwen3-8B": TARGET, "Qwen/Qwen3-0.6B": DRAFTER}
+    with HubStub(repos) as hub:
+        out = treegraft(["generate", "--model", "Qwen/Qwen3-8B", "--prompt", "def f(x):",
+                         "--max-tokens", "4", "--no-autotune", "--json"], tmp_path, hub.url)
+        assert out.returncode == 0, out.stderr
+        assert "drafter: Qwen/Qwen3-0.6B (the known pair for Qwen/Qwen3-8B, downloaded)" \
+            in out.stderr
+        assert any("/Qwen/Qwen3-0.6B/" in p for p in hub.downloads())
