@@ -65,18 +65,6 @@ def fetch(repo: str, revision: Optional[str] = None) -> Path:
         raise LoadError(f"{where}: the download failed ({e}); run again to resume it") from None
 
 
-def cached_only(repo: str, revision: Optional[str] = None) -> Optional[Path]:
-    """The repo's snapshot if the cache holds it, else None; never touches the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS,
-                                      local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        return None
-
-
 def cached_repos() -> list[tuple[str, Path]]:
     """Every model repo in the local cache with a snapshot that has a config.json: (id, path)
     of its newest snapshot."""

@@ -92,11 +92,10 @@ def runnable(path: Path) -> Optional[dict]:
     return config if config.get("model_type") in SUPPORTED_MODEL_TYPES else None
 
 
-def candidates(target: Path, target_name: str, download: bool) -> list[Candidate]:
-    """Models that may draft for the target, best first: cached ones of its family and
-    vocabulary size, smaller than it, smallest first; then the known pair if it is not cached
-    (only when it may be downloaded)."""
-    config = runnable(target) or {}
+def candidates(target: Path, config: dict, target_name: str, download: bool) -> list[Candidate]:
+    """Models that may draft for the target (its config given), best first: cached ones of
+    its family and vocabulary size, smaller than it, smallest first; then the known pair if
+    it is not cached (only when it may be downloaded)."""
     size = model_bytes(target)
     out = []
     for repo, path in hub.cached_repos():
@@ -117,8 +116,9 @@ def candidates(target: Path, target_name: str, download: bool) -> list[Candidate
 
 def choose_drafter(target: Path, target_name: str, download: bool = True) -> DrafterChoice:
     """The strong drafter for a target named without one, or none."""
-    tokenizer, skipped = load_tokenizer(target, read_config(target)), []
-    for c in candidates(target, target_name, download):
+    config = read_config(target)
+    tokenizer, skipped = load_tokenizer(target, config), []
+    for c in candidates(target, config, target_name, download):
         try:
             path = c.path or hub.fetch(c.name)
         except LoadError as e:
@@ -130,14 +130,14 @@ def choose_drafter(target: Path, target_name: str, download: bool = True) -> Dra
         except LoadError:
             skipped.append(f"{c.name} (another tokenizer)")
             continue
-        why = (f"the smallest cached model of the target's family ({family(read_config(path))}, "
-               f"{model_bytes(path) / 2**30:.2f} GiB) with its tokenizer" if c.path else
+        why = (f"the smallest cached model of the target's family ({family(config)}, "
+               f"{c.bytes / 2**30:.2f} GiB) with its tokenizer" if c.path else
                f"the known pair for {target_name}, downloaded")
         return DrafterChoice(c.name, path, f"drafter: {c.name} ({why}); --draft-model chooses "
                              "another, or none")
     tried = f"; skipped {', '.join(skipped)}" if skipped else ""
     return DrafterChoice(None, None, f"drafter: none (no cached or known model of family "
-                  f"{family(runnable(target) or {})} shares the target's tokenizer{tried}); "
+                  f"{family(config)} shares the target's tokenizer{tried}); "
                   "the n-gram drafter alone serves")
 
 
