@@ -369,27 +369,75 @@ def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
     assert fallback.next_stretch() == 0 and fallback.stretch == Fallback.FIRST_STRETCH
 
 
-def test_call_policy_takes_the_measured_best_chain_and_explores_its_neighbours():
+def test_call_policy_takes_the_measured_faster_choice_and_explores_the_other():
     from treegraft_mlx.pricing import CallPolicy
 
-    policy = CallPolicy(max_k=5)
+    policy = CallPolicy()
     poor, rich = policy.bucket(1.0), policy.bucket(3.0)
     assert poor == 0 and rich == len(CallPolicy.EDGES)
-    speed = {0: 1 / 20, 1: 1.5 / 24, 2: 2.2 / 28, 3: 2.4 / 32, 4: 2.5 / 36, 5: 2.5 / 40}
+    speed = {False: 1 / 20, True: 1.6 / 24}                         # tokens per ms
     first = []
     for _ in range(2 * CallPolicy.TRIES):
         first.append(policy.choose(poor))
         policy.observe(poor, first[-1], 1000 * speed[first[-1]], 1000.0)
-    assert first == [0] * CallPolicy.TRIES + [1] * CallPolicy.TRIES     # no call, then 1
+    assert first == [False] * CallPolicy.TRIES + [True] * CallPolicy.TRIES
     seen = []
-    for _ in range(40 * CallPolicy.EXPLORE_EVERY):                  # tokens per ms as above
-        k = policy.choose(poor)
-        seen.append(k)
-        policy.observe(poor, k, 1000 * speed[k], 1000.0)
-    assert policy.peek(poor) == 2 == max(set(seen), key=seen.count)  # climbed to the best
-    assert {1, 3} <= set(seen) and 5 not in seen                     # explores neighbours only
-    assert policy.peek(rich) == 0                                    # its own evidence
-    assert policy.rate(poor)[2] == pytest.approx(speed[2])
+    for _ in range(10 * CallPolicy.EXPLORE_EVERY):
+        called = policy.choose(poor)
+        seen.append(called)
+        policy.observe(poor, called, 1000 * speed[called], 1000.0)
+    explored = np.flatnonzero(~np.array(seen))
+    assert len(explored) == 10 and (np.diff(explored) == CallPolicy.EXPLORE_EVERY).all()
+    assert policy.peek(rich) is False                               # its own evidence
+    assert policy.rate(poor)[1] == pytest.approx(speed[True])
+    for _ in range(200):                                            # the text changes
+        policy.observe(poor, True, 1, 1000.0)
+    assert policy.peek(poor) is False
+
+
+def test_chain_acceptance_is_measured_per_bin_and_prices_the_next_token():
+    """A chain token counts only once the target reached it (every token before it accepted):
+    unverified tokens count too, by whether the bonus equals them. The chain goes on while
+    the chance of reaching and accepting the next token beats its cost at the rate."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    policy = CallPolicy()
+    sure, unsure = np.log(0.95), np.log(0.35)
+    assert policy.chain_accept([sure])[0] == pytest.approx(0.95)     # the prior: S's own p
+    for _ in range(50):                                              # S is right when sure,
+        policy.observe_chain([7, 8, 9], [sure, unsure, sure], [7, 5, 9])   # wrong when not
+    a = policy.chain_accept([sure, unsure])
+    assert a[0] > 0.97 and a[1] < 0.05
+    hi, lo = int(0.95 * CallPolicy.BINS), int(0.35 * CallPolicy.BINS)
+    assert policy.reached[hi] == pytest.approx(policy.reached[lo])  # the third never reached
+    policy.token_ms = 2.0
+    assert policy.chain_pays([sure], rate=0.1)                       # 0.97^2 > 0.2
+    assert not policy.chain_pays([sure, unsure], rate=0.1)
+    assert not policy.chain_pays([sure] * CallPolicy.MAX_CHAIN, rate=0.0)
+
+
+def test_the_chain_ends_where_the_policy_says_it_stops_paying(family):
+    """`draft` drafts each chain token only while it pays: with an expensive token (a slow
+    drafter) it drafts one per call, with a free one up to MAX_CHAIN, and output stays ar's."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    prompt = suite_prompts(1)[0]["prompt"]
+    ref = generate(family, prompt, "ar", max_tokens=24).token_ids
+    for token_ms, longest in ((1e6, 1), (0.0, CallPolicy.MAX_CHAIN)):
+        policy = CallPolicy()
+        policy.peek = lambda bucket: True
+        policy.observe_token = lambda ms: None
+        policy.token_ms = token_ms
+        key = (False, family.tree, False)
+        family.learned.call_policies[key] = policy
+        try:
+            res = generate(family, prompt, "draft", max_tokens=24)
+        finally:
+            del family.learned.call_policies[key]
+        chains = [s.chain for s in res.step_stats if s.chain]
+        assert res.token_ids == ref and chains
+        assert max(chains) <= longest and (longest > 1 or set(chains) == {1})
+        assert longest == 1 or max(chains) > 2
 
 
 def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
@@ -398,8 +446,8 @@ def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
     not learn from it; the calls after it, in step, it does."""
     from treegraft_mlx.pricing import CallPolicy
 
-    policy = CallPolicy(family.tree.depth)
-    monkeypatch.setattr(policy, "choose", lambda bucket: 2)
+    policy = CallPolicy()
+    monkeypatch.setattr(policy, "choose", lambda bucket: True)
     monkeypatch.setitem(family.learned.call_policies, (False, family.tree, False), policy)
     ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
     assert len(ids) > CallPolicy.STEADY_LAG
@@ -409,7 +457,7 @@ def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
     for _ in range(6):
         next(steps)
     called = [s for s in dec.stats if s.chain]
-    assert len(called) >= 2 and policy.tries[0, 2] == len(called) - 1
+    assert len(called) >= 2 and policy.tries[0, 1] == len(called) - 1
 
 
 def test_drafting_stops_when_it_does_not_pay_and_still_explores():

@@ -189,6 +189,21 @@ def test_draft_chain_is_the_drafters_greedy_continuation_with_its_logprobs():
     assert strong.cache.offset == h.committed and strong.calls == 4   # chain rows dropped
 
 
+def test_a_priced_chain_reads_each_token_and_stops_where_told():
+    h = history_of([1, 2, 3, 4])
+    lazy = ModelDrafter(FakeStrong(), top_k=3, depth=5).draft_chain(5, 4, h)
+    strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
+    asked = []
+    tokens, logps = strong.draft_chain(5, 4, h, lambda toks, lps: asked.append((toks, lps)) or
+                                       len(asked) < 2)
+    assert tokens == lazy[0][:2] and np.allclose(logps, lazy[1][:2], atol=1e-6)
+    logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
+    for (toks, lps), parent in zip(asked, [5] + tokens):   # asked after every token, in order:
+        assert toks == np.argsort(-logp[parent])[:3].tolist()    # its top_k, best first
+        assert np.allclose(lps, logp[parent, toks], atol=1e-5)
+    assert strong.cache.offset == h.committed and strong.calls == 2
+
+
 def test_graft_chain_merges_into_the_tree_and_respects_the_cap():
     t = DraftTree.rooted_at(4)
     a = t.add(0, 9, -0.1, ngram_lp=-0.2)                  # the n-gram drafter's node

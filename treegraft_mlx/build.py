@@ -4,14 +4,14 @@ and the strong drafter's chain grafted in."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
 
 from .drafters import Drafter, Drafters, ModelDrafter
 from .family import TreeConfig
 from .history import History
 from .scheduler import LayerState, Schedule
-from .tree import DraftTree, build_cap, graft_chain
+from .tree import DraftTree, build_cap, extend_chain, graft_chain
 
 
 @dataclass
@@ -23,7 +23,7 @@ class TreeBuild:
     called: list[int]             # layers the strong drafter expanded
     used: list[str]               # drafter name per layer
     t_schedule: float = 0.0       # seconds spent in the schedule's decisions
-    chain: int = 0                # drafts the strong drafter chained from the root
+    chain_path: list[int] = field(default_factory=list)  # the strong drafter's chain, root first
 
     @classmethod
     def rooted_at(cls, root: int) -> "TreeBuild":
@@ -66,13 +66,34 @@ class TreeBuild:
             self.grow(drafters.strong, todo[k], history)
             todo = todo[k + 1:]
 
-    def graft_chain(self, strong: ModelDrafter, k: int, cfg: TreeConfig, history: History) -> None:
-        """The strong drafter drafts k tokens after the root, one row per forward (cheap where
-        a tree-mask call over many nodes is not), grafted into the tree built so far."""
-        tokens, logps = strong.draft_chain(self.tree.token[0], k, history)
-        graft_chain(self.tree, tokens, logps, build_cap(cfg.top_k, max(k, cfg.depth)))
+    def graft_chain(self, strong: ModelDrafter, k: int, cfg: TreeConfig, history: History,
+                    pays: Optional[Callable[[DraftTree, list[int]], bool]] = None) -> None:
+        """The strong drafter drafts up to k tokens after the root, one row per forward (cheap
+        where a tree-mask call over many nodes is not), grafted into the tree built so far.
+        With `pays`, each token is grafted as it is drafted, with S's runners-up at its place
+        as leaves (width the forward already paid for; the sizing verifies those worth a
+        row), and the chain ends where `pays(tree, chain path)` says the next token is not
+        worth its forward."""
+        cap = build_cap(cfg.top_k, max(k, cfg.depth))
+        if pays is None:
+            tokens, logps = strong.draft_chain(self.tree.token[0], k, history)
+            self.chain_path = graft_chain(self.tree, tokens, logps, cap)
+        else:
+            path = self.chain_path = [0]
+            strong.draft_chain(self.tree.token[0], k, history,
+                               lambda toks, lps: extend_chain(self.tree, path, toks, lps, cap)
+                               and pays(self.tree, path))
         self.used.append(strong.name)
-        self.chain += k
+
+    @property
+    def chain(self) -> int:
+        """Drafts the strong drafter chained from the root."""
+        return max(0, len(self.chain_path) - 1)
+
+    def chain_drafts(self) -> tuple[list[int], list[float]]:
+        """The chain's tokens and the drafter's log-prob of each."""
+        nodes = self.chain_path[1:]
+        return [self.tree.token[v] for v in nodes], [self.tree.draft_lp[v] for v in nodes]
 
     def state(self, layer: int, cfg: TreeConfig, history: History) -> LayerState:
         return LayerState(layer, cfg.depth, history.committed, self.called, self.tree,
@@ -85,4 +106,4 @@ class TreeBuild:
 
     def copy(self) -> "TreeBuild":
         return TreeBuild(self.tree.copy(), list(self.frontier), list(self.called),
-                         list(self.used), self.t_schedule, self.chain)
+                         list(self.used), self.t_schedule, list(self.chain_path))

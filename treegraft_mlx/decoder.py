@@ -7,11 +7,12 @@ statistics are shared (generate.stream). Strategies by name:
   ar                      the target alone
   chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
   ngram                   endpoint W: the n-gram drafter builds every layer
-  draft                   endpoint S: the strong drafter's greedy chain, as long as the
-                          measured call policy chooses (CallPolicy), 0 being an AR step
+  draft                   endpoint S: the strong drafter's greedy chain where the measured
+                          call policy calls, each token drafted while it pays (CallPolicy);
+                          no call is an AR step
   treegraft               the shared tree: the n-gram tree with the strong drafter's chain
-                          grafted in from the root, its length chosen per bucket of the
-                          n-gram plan by the measured call policy (CallPolicy)
+                          grafted in from the root where the call policy calls for the
+                          n-gram plan's bucket, each token drafted while it pays
   treegraft-learned       the paper's schedule: the family's learned scheduler decides which
                           layers the strong drafter expands with a tree-mask call (its
                           sampling-calibrated one when sampling, if the bundle has one)
@@ -172,6 +173,8 @@ class Decoder:
             self.fallback: Fallback = family.learned.fallback(
                 not settings.greedy, session.tree, strategy.name, costs.ar_ms)
         self.stats: list[StepStats] = []
+        self._asked = 0.0                 # when the chain last asked whether to go on
+        self._since: Optional[float] = None   # when the last tree step ended (None: not the last)
         self._calls_before = self._drafter_forwards()
 
     def _drafter_forwards(self) -> int:
@@ -255,6 +258,7 @@ class Decoder:
         history, forward = self.session.history, self._forward()
         queued: Optional[Queued] = None        # the forward of `root`, in flight
         self.fallback.new_text()
+        self._since = None
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
             if carried is None and (n := self.fallback.next_stretch()):
@@ -263,10 +267,10 @@ class Decoder:
                 root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
-            choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
+            choice: Optional[tuple[int, bool]] = None   # (bucket, called) of a priced build
             # Whether to run the n-gram drafter (a priced build still asks the call policy).
             fresh = carried is None and self.sizer.worth_drafting()
-            chain = 0
+            drafts: tuple[list[int], list[float]] = ([], [])   # S's chain and its log-probs
             if carried is not None:
                 full, used, t_schedule = carried, [], 0.0
                 plan = self.sizer.plan(carried, history.committed)
@@ -275,15 +279,15 @@ class Decoder:
                     root, history, ngram=fresh and self.strategy.ngram,
                     in_flight=queued is not None)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
-                chain = build.chain
-                fresh = fresh and not chain   # the sizer prices n-gram drafting without calls
+                drafts = build.chain_drafts()
+                fresh = fresh and not build.chain  # the sizer prices n-gram drafting without calls
             elif not fresh:
                 full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
                 plan = self.sizer.plan(full, history.committed)
             else:
                 build = self._build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
-                chain = build.chain
+                drafts = build.chain_drafts()
                 plan = self.sizer.plan(full, history.committed)
             carried = None
             t1 = self.clock()
@@ -294,8 +298,8 @@ class Decoder:
                 block, acc = self._verify(tree, rows, StepStats(
                     accepted=0, nodes_verified=len(tree), nodes_built=len(full), layers=used,
                     t_draft=t1 - t0, t_verify=0.0, t_accept=0.0, t_schedule=t_schedule,
-                    rows=rows, expected=plan.expected, chain=chain))
-                self._learn(choice, len(block), t0)
+                    rows=rows, expected=plan.expected, chain=len(drafts[0])))
+                self._learn(choice, block, drafts, t0)
                 yield block
                 root = acc.bonus
                 continue
@@ -311,20 +315,28 @@ class Decoder:
             self._record(StepStats(
                 accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
-                t_schedule=t_schedule, rows=1, expected=plan.expected, chain=chain))
-            self._learn(choice, 1, t0)
+                t_schedule=t_schedule, rows=1, expected=plan.expected, chain=len(drafts[0])))
+            self._learn(choice, [nxt], drafts, t0)
             yield [nxt]
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _learn(self, choice: Optional[tuple[int, int]], tokens: int, t0: float) -> None:
-        """A tree step that began at `t0` committed `tokens`: the fallback and the call policy
-        (for the `choice` of a priced build) learn its rate."""
-        ms = 1000 * (self.clock() - t0)
-        self.fallback.observe_tree(tokens, ms)
+    def _learn(self, choice: Optional[tuple[int, bool]], block: list[int],
+               drafts: tuple[list[int], list[float]], t0: float) -> None:
+        """A tree step that began at `t0` committed `block`: the fallback and the call policy
+        (for the `choice` of a priced build) learn its rate, the call policy what became of
+        the strong drafter's chain `drafts`. The step's time runs from the end of the step
+        before it, if that was a tree step: what the caller did with that step's tokens is
+        part of the cost, and a step of one token pays it as often as a step of many."""
+        now = self.clock()
+        ms = 1000 * (now - (t0 if self._since is None else self._since))
+        self._since = now
+        self.fallback.observe_tree(len(block), ms)
         if choice is not None:
-            self.calls.observe(*choice, tokens, ms)
+            self.calls.observe(*choice, len(block), ms)
+        if drafts[0] and self.calls is not None:
+            self.calls.observe_chain(*drafts, block)
 
     def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
                     steps: int) -> Iterator[list[int]]:
@@ -334,6 +346,7 @@ class Decoder:
         to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
         the new root and its forward if that is in flight (after an early end)."""
         history, done, busy = self.session.history, 0, 0.0
+        self._since = None
         try:
             t0 = self.clock()
             queued = queued or forward(mx.array(root))
@@ -344,9 +357,9 @@ class Decoder:
                 history.extend([nxt])
                 self.drafters.observe(history, 1)
                 self._record(AR_STEP)
-                done, busy = done + 1, busy + self.clock() - t0
+                done, busy = done + 1, self.clock() - t0   # the caller's time included
                 yield [nxt]
-                t0, queued = self.clock(), after
+                queued = after
                 if self.session.ngram.index.repeats(history.tokens):
                     break           # the text loops: drafts may pay again; probe the tree
         finally:        # what ran is measured, also when the caller stops inside the stretch
@@ -368,17 +381,17 @@ class Decoder:
         """Whether the next step will likely call the strong drafter: then its forward is not
         queued ahead, since a call waits for a forward in flight on the same stream. Judged
         for an empty n-gram tree (`draft` never has another)."""
-        return self.calls is not None and self.calls.peek(0) > 0
+        return self.calls is not None and self.calls.peek(0)
 
     def _priced_build(self, root: int, history: History, ngram: bool,
-                      in_flight: bool) -> tuple["TreeBuild", Plan, Optional[tuple[int, int]]]:
-        """The n-gram tree, and the strong drafter's chain grafted into it as long as the
-        call policy chooses for the n-gram plan's bucket; planned by the Sizer; returned with
-        (bucket, chain length) for the policy to learn from, or None where the call first
-        synced a long lag (committed tokens S's cache had not seen: after a plain stretch),
-        whose cost is the stretch's, not the chain length's. No call while the root's forward
-        is `in_flight`: the drafter's forward would wait for it on the same stream and leave
-        the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
+                      in_flight: bool) -> tuple["TreeBuild", Plan, Optional[tuple[int, bool]]]:
+        """The n-gram tree, and the strong drafter's chain grafted into it where the call
+        policy calls for the n-gram plan's bucket, as long as each token pays (CallPolicy);
+        planned by the Sizer; returned with (bucket, called) for the policy to learn from, or
+        None where the call first synced a long lag (committed tokens S's cache had not seen:
+        after a plain stretch), whose cost is the stretch's, not the call's. No call while the
+        root's forward is `in_flight`: the drafter's forward would wait for it on the same
+        stream and leave the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
         cfg, sizer = self.session.tree, self.sizer
         build = TreeBuild.rooted_at(root)
         if ngram:
@@ -386,14 +399,29 @@ class Decoder:
         plan = sizer.plan(build.tree, history.committed)
         t0 = self.clock()
         bucket = self.calls.bucket(plan.expected)
-        k = self.calls.choose(bucket)
-        k = 0 if in_flight else k
+        called = self.calls.choose(bucket) and not in_flight
         build.t_schedule = self.clock() - t0       # the policy's own work
         steady = self.drafters.strong.lag(history) <= self.calls.STEADY_LAG
-        if k:
-            build.graft_chain(self.drafters.strong, k, cfg, history)
-            plan = sizer.plan(build.tree, history.committed)
-        return build, plan, (bucket, k) if steady or not k else None
+        if called:
+            build.graft_chain(self.drafters.strong, self.calls.MAX_CHAIN, cfg, history,
+                              self._chain_pays)
+            # The chain's tokens are priced at their measured acceptance where that is higher.
+            accept = sizer.accept(build.tree)
+            nodes = build.chain_path[1:]
+            accept[nodes] = np.maximum(accept[nodes],
+                                       self.calls.chain_accept(build.chain_drafts()[1]))
+            plan = sizer.plan(build.tree, history.committed, accept)
+        return build, plan, (bucket, called) if steady or not called else None
+
+    def _chain_pays(self, tree: DraftTree, path: list[int]) -> bool:
+        """Whether the strong drafter's chain (`path`, root first) should draft one more
+        token; the time since the last token's question is what that token cost (the first
+        one's also synced S's cache, so it is not measured)."""
+        now = self.clock()
+        if len(path) > 2:
+            self.calls.observe_token(1000 * (now - self._asked))
+        self._asked = now
+        return self.calls.chain_pays([tree.draft_lp[v] for v in path[1:]], self.sizer.rate)
 
     def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
         """Verify `tree` in one forward of `rows` rows, accept, commit (tree_step); completes

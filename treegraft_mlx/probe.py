@@ -28,7 +28,8 @@ from .timing import (LATENCY_CONTEXT, StepCosts, Timing, cached, step_costs_key,
 from .tree import build_cap
 
 # What this device's costs are measured with: a short code prompt, repetitive enough that the
-# n-gram tree fills up.
+# n-gram tree fills up, repeated to LATENCY_CONTEXT tokens, the context the latency table is
+# measured at (an AR step and the tree steps it is weighed against are priced alike).
 PROBE_PROMPT = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                 "def mul(a, b):\n")
 PROBE_TOKENS = 32
@@ -51,23 +52,25 @@ class ProbePlan:
     repeats: int
     long_context: int
     probe_tokens: int
+    ar_runs: int              # AR decodes the AR step's cost is the median of
 
     def forwards(self) -> float:
         """Estimated cost in one-row forwards (a block costs about 1 + 0.1 per extra row; a
         prefill of c tokens about c / 16 forwards, generation about one per token)."""
         blocks = sum(1 + 0.1 * (m - 1) for m in self.sizes) * (self.repeats + 1)
         far = self.long_context / 16 + (2 + 0.1 * (ROW_PROBE - 1)) * (self.repeats + 1)
-        return blocks + far + 2 * self.probe_tokens + 8 + LATENCY_CONTEXT / 16
+        decodes = (self.ar_runs + 1) * self.probe_tokens + 8
+        return blocks + far + decodes + 2 * LATENCY_CONTEXT / 16    # two prompt prefills
 
 
 def plan_probe(one_row_ms: float, limit: int) -> ProbePlan:
     """The full probe where it fits in PROBE_SECONDS, else fewer sizes, rounds and tokens."""
     full = ProbePlan(tuple(m for m in MEASURED_ROWS if m < limit) + (limit,), LATENCY_REPEATS,
-                     LONG_CONTEXT, PROBE_TOKENS)
+                     LONG_CONTEXT, PROBE_TOKENS, 3)
     if full.forwards() * one_row_ms <= 1000 * PROBE_SECONDS:
         return full
-    return ProbePlan(tuple(m for m in FEW_ROWS if m < limit) + (limit,), 1, LONG_CONTEXT // 2,
-                     PROBE_TOKENS // 4)
+    return ProbePlan(tuple(m for m in FEW_ROWS if m < limit) + (limit,), 1, LONG_CONTEXT // 4,
+                     PROBE_TOKENS // 4, 1)
 
 
 def step_costs(family: Family, tree: TreeConfig, refresh: bool = False) -> StepCosts:
@@ -94,8 +97,14 @@ def measure_step_costs(family: Family, tree: TreeConfig,
         far = min(plan.long_context, family.target.args.max_position_embeddings - limit - 1)
         long = verification_latency(family.target, sizes=(1, ROW_PROBE), context=far,
                                     repeats=plan.repeats, progress=advance)
-        decode(family, "ar", 8)
-        _, ar = decode(family, "ar", plan.probe_tokens)
+        # One AR run of 32 tokens varies by up to a fifth between runs here (8.2-11.4 ms on
+        # tg-tiny), and the AR step's cost decides every step's size: the median of a few, in
+        # one warm session (as the latency table's forwards run), sharing one prefill.
+        plain = Session(family)
+        decode(family, "ar", 8, session=plain)
+        ar_ms = float(np.median([1000 / decode(family, "ar", plan.probe_tokens,
+                                               session=plain)[1].generation_tps
+                                 for _ in range(plan.ar_runs)]))
         advance(1)
         fixed = dataclasses.replace(tree, adaptive=False, budget=min(8, limit), verify_pad=())
         steps = decode(family, "ngram", plan.probe_tokens, fixed)[0].stats
@@ -103,7 +112,7 @@ def measure_step_costs(family: Family, tree: TreeConfig,
     rows_near = latency[ROW_PROBE] - latency[1]
     rows_far = long[ROW_PROBE] - long[1]
     return StepCosts(tuple(sizes), tuple(latency[m] for m in sizes),
-                     ar_ms=1000 / ar.generation_tps,
+                     ar_ms=ar_ms,
                      overhead_ms=float(np.median([1000 * s.t_accept for s in steps])),
                      draft_ms=float(np.median([1000 * s.t_draft for s in steps])),
                      row_context_ms=max(0.0, (rows_far - rows_near) / (ROW_PROBE - 1)
@@ -137,14 +146,18 @@ def _progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
         yield bar.update
 
 
-def decode(family: Family, strategy: str, max_tokens: int,
-           tree: Optional[TreeConfig] = None) -> tuple[Decoder, Response]:
-    """Greedy `strategy` on the probe prompt, with a tree that needs no costs (fixed, or
-    none for `ar`); the decoder (its step statistics) and the last response (its speed)."""
-    session = Session(family, tree)
+def decode(family: Family, strategy: str, max_tokens: int, tree: Optional[TreeConfig] = None,
+           session: Optional[Session] = None) -> tuple[Decoder, Response]:
+    """Greedy `strategy` on the probe prompt (repeated to LATENCY_CONTEXT tokens, or what
+    the model's context leaves room for), with a tree that needs no costs (fixed, or none for
+    `ar`); the decoder (its step statistics) and the last response (its speed). A `session`
+    given reuses its prefill of the prompt."""
+    session = session or Session(family, tree)
     decoder = Decoder(session, parse_strategy(strategy), SamplerSettings(),
                       np.random.default_rng(0))
     ids = encode_prompt(family.tokenizer, PROBE_PROMPT)
+    room = family.target.args.max_position_embeddings - max_tokens - 2 * session.tree.depth
+    ids = (ids * -(-LATENCY_CONTEXT // len(ids)))[:max(len(ids), min(LATENCY_CONTEXT, room))]
     last = None
     with device.wired_limit():
         for last in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens):

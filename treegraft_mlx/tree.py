@@ -175,18 +175,33 @@ class DraftTree:
 def graft_chain(tree: DraftTree, tokens: Sequence[int], logps: Sequence[float],
                 cap: int) -> list[int]:
     """Graft the strong drafter's chain (its greedy tokens after the root, with its log-prob
-    of each) into `tree` from the root down: a token some drafter already proposed at that
-    place is the same node and gains S's evidence, a new one is added while the tree has room
-    (`cap` nodes). Returns the chain's nodes, root first."""
-    path, score = [0], tree.score[0]
+    of each) into `tree` from the root down (extend_chain, token by token). Returns the
+    chain's nodes, root first."""
+    path = [0]
     for tok, lp in zip(tokens, logps):
-        if len(tree) >= cap and tree.child(path[-1], int(tok)) < 0:
+        if not extend_chain(tree, path, [tok], [lp], cap):
             break
-        score += float(lp)
-        node = tree.add(path[-1], int(tok), score)
-        tree.draft_lp[node], tree.draft_rank[node] = float(lp), 0
-        path.append(node)
     return path
+
+
+def extend_chain(tree: DraftTree, path: list[int], tokens: Sequence[int],
+                 logps: Sequence[float], cap: int) -> bool:
+    """Hang the chain's next token `tokens[0]` below its last node `path[-1]` and append it to
+    `path`; S's runners-up there (`tokens[1:]`, best first) become leaves beside it. A token
+    some drafter already proposed there is the same node and gains S's evidence; new nodes
+    are added while the tree has room (`cap` nodes). False when the chain's token had none."""
+    parent = path[-1]
+    base = tree.score[path[0]] + sum(tree.draft_lp[v] for v in path[1:])  # S's path log-prob
+    for rank, (tok, lp) in enumerate(zip(tokens, logps)):
+        if len(tree) >= cap and tree.child(parent, int(tok)) < 0:
+            if rank == 0:
+                return False
+            break
+        node = tree.add(parent, int(tok), base + float(lp))
+        tree.draft_lp[node], tree.draft_rank[node] = float(lp), rank
+        if rank == 0:
+            path.append(node)
+    return True
 
 
 def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,

@@ -8,7 +8,7 @@ step in its cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 import numpy as np
@@ -177,29 +177,50 @@ class ModelDrafter:
         grafted.sort(key=lambda i: (-tree.score[i], i))
         return grafted if layer == 1 else grafted[:self.top_k]
 
-    def draft_chain(self, root: int, k: int, history: History) -> tuple[list[int], list[float]]:
-        """k greedy tokens after the root and S's log-prob of each: one forward per token,
-        all queued on the device before the one readback at the end (each argmax feeds the
-        next forward lazily, as `mlx_lm`'s speculative decoding does); the log-probs are
-        taken on the host (MLX's CPU `exp` is scalar). The chain's rows never outlive the
-        call in S's cache; the accepted ones sync with the next call's prefix."""
+    def draft_chain(self, root: int, k: int, history: History,
+                    more: Optional[Callable[[list[int], list[float]], bool]] = None
+                    ) -> tuple[list[int], list[float]]:
+        """Up to k greedy tokens after the root and S's log-prob of each, one forward per token.
+        Without `more`, all k forwards are queued on the device before one readback at the end
+        (each argmax feeds the next forward lazily, as `mlx_lm`'s speculative decoding does).
+        With `more`, each position's top_k tokens (best first) are read back as they are
+        drafted, and the chain ends where `more(tokens, logps)` says it no longer pays. The
+        chain's rows never outlive the call in S's cache; the accepted ones sync with the
+        next call's prefix."""
         self.observe(history, 0)            # a layer call's tree rows, if any, are stale
         committed = history.committed
         block = mx.array([history.tokens[self.cache.offset:committed] + [root]])
-        tokens, rows = [], []
+        lazy: list[tuple[mx.array, mx.array]] = []
+        ids: list[int] = []
+        lps: list[float] = []
         for _ in range(k):
             logits = self.model(block, cache=self.cache,
                                 logits_rows=mx.array([block.shape[1] - 1]))[0, 0]
             self.cache.commit()
-            tok = mx.argmax(logits)
-            tokens.append(tok)
-            rows.append(logits)
-            block = tok.reshape(1, 1)
-            mx.async_eval(block)
-        out, rows = mx.stack(tokens), mx.stack(rows).astype(mx.float32)
-        mx.eval(out, rows)
+            if more is None:
+                tok = mx.argmax(logits)
+                block = tok.reshape(1, 1)
+                lazy.append((tok, logits))
+                mx.async_eval(block)
+                continue
+            _, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), self.top_k)
+            best = np.argsort(-top_lp[0], kind="stable")
+            ids.append(int(top_ids[0, best[0]]))
+            lps.append(float(top_lp[0, best[0]]))
+            block = mx.array([[ids[-1]]])
+            if not more(top_ids[0, best].tolist(), top_lp[0, best].tolist()):
+                break
+        if lazy:
+            ids, lps = chain_logprobs(mx.stack([t for t, _ in lazy]),
+                                      mx.stack([r for _, r in lazy]))
         self.cache.reset(committed)
-        self.calls += k
-        ids = np.array(out)
-        rows = np.array(rows)
-        return ids.tolist(), (rows[np.arange(k), ids] - host_logsumexp(rows)).tolist()
+        self.calls += len(ids)
+        return ids, lps
+
+
+def chain_logprobs(tokens: mx.array, rows: mx.array) -> tuple[list[int], list[float]]:
+    """A chain's tokens and their log-probs in their rows, read back; the log-softmax runs on
+    the host (MLX's CPU `exp` is scalar; a chain has a few rows)."""
+    mx.eval(tokens, rows)
+    ids, rows = np.array(tokens), np.array(rows.astype(mx.float32))
+    return ids.tolist(), (rows[np.arange(len(ids)), ids] - host_logsumexp(rows)).tolist()
