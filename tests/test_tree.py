@@ -7,7 +7,7 @@ import pytest
 from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
 from treegraft_mlx.tree import (DraftTree, ancestor_mask, attention_mask, build_cap, depths,
-                                graft_chain, path_to, positions, prune)
+                                extend_chain, graft_chain, path_to, positions, prune)
 
 
 def small_tree() -> DraftTree:
@@ -202,6 +202,20 @@ def test_a_priced_chain_reads_each_token_and_stops_where_told():
         assert toks == np.argsort(-logp[parent])[:3].tolist()    # its top_k, best first
         assert np.allclose(lps, logp[parent, toks], atol=1e-5)
     assert strong.cache.offset == h.committed and strong.calls == 2
+
+
+def test_extend_chain_hangs_the_runners_up_beside_the_chain_as_leaves():
+    t = DraftTree.rooted_at(4)
+    a = t.add(0, 7, -0.1, ngram_lp=-0.2)                  # the n-gram drafter's node
+    path = [0]
+    assert extend_chain(t, path, [9, 7, 3], [-0.2, -1.5, -3.0], cap=10)
+    assert path == [0, t.child(0, 9)] and t.child(0, 7) == a and len(t) == 4
+    assert t.draft_rank[a] == 1 and t.draft_lp[a] == -1.5    # S's evidence on W's node
+    assert t.draft_rank[t.child(0, 3)] == 2 and not t.children_of(a)
+    assert extend_chain(t, path, [5, 6], [-0.5, -2.0], cap=5)   # the chain goes on below 9
+    assert t.depth[path[-1]] == 2 and np.isclose(t.score[path[-1]], -0.7)
+    assert t.child(path[1], 6) < 0                          # no room for the runner-up
+    assert not extend_chain(t, path, [8], [-0.1], cap=5) and len(path) == 3
 
 
 def test_graft_chain_merges_into_the_tree_and_respects_the_cap():
