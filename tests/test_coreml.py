@@ -155,6 +155,6 @@ def test_export_needs_no_torch(artifact, tmp_path):
             f"p = export_coreml({str(src)!r}, {str(tmp_path / 'nt.mlpackage')!r})\n"
             "print(numpy_predict(p, np.zeros((1, 17), np.float32)).shape)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, cwd=Path(__file__).parent.parent)
+                         timeout=600, cwd=Path(__file__).parent.parent)   # a hang guard only
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().endswith("(1,)")

