@@ -158,6 +158,71 @@ def test_an_unreachable_rank_is_named_not_waited_for(tmp_path):
     assert "rank 0: connecting to the other ranks" in r.stderr and "timed out" in r.stderr
 
 
+def test_chat_across_ranks_replies_as_one_process_does(tmp_path):
+    """`treegraft chat --pipeline` on two ranks started by hand (rank 0 reads the chat from
+    stdin, rank 1 only serves its layers): both turns reply what one process generates, and
+    rank 1 ends when rank 0 quits."""
+    from treegraft_mlx.generate import chat_prompt
+
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    cmd = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "chat",
+           "--pipeline", "--no-autotune", "--max-tokens", "8", "--strategy", "ngram"]
+    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "OPENBLAS_NUM_THREADS": "1"}
+    peer = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**env, "MLX_RANK": "1"})
+    try:
+        r = subprocess.run(cmd, input="def f():\nand again\n/quit\n", capture_output=True,
+                           text=True, timeout=300, env={**env, "MLX_RANK": "0"})
+        peer_out = peer.communicate(timeout=120)[0]
+    finally:
+        peer.kill()
+    assert r.returncode == 0 and peer.returncode == 0, r.stderr[-2000:] + peer_out[-2000:]
+    family = load(fixture_path(), warmup=False, autotune=False)
+    turn1 = [{"role": "user", "content": "def f():"}]
+    reply1 = generate(family, chat_prompt(family.tokenizer, turn1), "ar", max_tokens=8).text
+    turn2 = turn1 + [{"role": "assistant", "content": reply1},
+                     {"role": "user", "content": "and again"}]
+    reply2 = generate(family, chat_prompt(family.tokenizer, turn2), "ar", max_tokens=8).text
+    assert f">> {reply1}\n" in r.stdout and f">> {reply2}\n" in r.stdout, r.stdout[-2000:]
+
+
+def test_serve_across_ranks_answers_as_one_process_does(tmp_path):
+    """`treegraft serve --pipeline` on two ranks started by hand: rank 0 answers HTTP with
+    what one process generates; on Ctrl-C it stops, and rank 1 with it."""
+    import signal
+    import urllib.request
+
+    ring, http = free_ports(2), free_ports(1)[0]
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
+    cmd = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "serve",
+           "--pipeline", "--no-autotune", "--port", str(http), "--strategy", "ngram"]
+    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "OPENBLAS_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**env, "MLX_RANK": str(r)})
+             for r in (1, 0)]
+    peer, head = ranks
+    try:
+        for line in head.stderr:                   # ready once it says where it serves
+            if line.startswith("serving"):
+                break
+        body = json.dumps({"prompt": "def f():", "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        head.send_signal(signal.SIGINT)
+        head.wait(timeout=120)
+        peer.wait(timeout=120)
+    finally:
+        for proc in ranks:
+            proc.kill()
+    assert head.returncode == 0 and peer.returncode == 0, peer.stderr.read()[-2000:]
+    family = load(fixture_path(), warmup=False, autotune=False)
+    assert answer["choices"][0]["text"] == generate(family, "def f():", "ar", max_tokens=8).text
+
+
 @needs_launch
 def test_ranks_that_differ_refuse_to_start():
     r = launch(2, "disagree", timeout=120)
