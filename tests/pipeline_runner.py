@@ -24,11 +24,15 @@ CASES = [("ar", 0.0), ("ngram", 0.0), ("treegraft", 0.0), ("ar", 0.7), ("treegra
 
 
 def cases(family) -> dict:
-    """Token ids per (prompt, strategy, temperature), sampled with a fixed seed; and two
-    turns of one session, the second reusing the first's cache (every rank's slice)."""
-    out = {f"{i}|{s}|{t}": generate(family, p, s, max_tokens=20, temp=t, top_p=0.95,
-                                    seed=3).token_ids
-           for i, p in enumerate(PROMPTS) for s, t in CASES}
+    """Token ids and rows verified per step for each (prompt, strategy, temperature),
+    sampled with a fixed seed; and two turns of one session, the second reusing the first's
+    cache (every rank's slice)."""
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        for s, t in CASES:
+            res = generate(family, p, s, max_tokens=20, temp=t, top_p=0.95, seed=3)
+            out[f"{i}|{s}|{t}"] = res.token_ids
+            out[f"{i}|{s}|{t}|rows"] = [step.rows for step in res.step_stats]
     session = Session(family)
     first = generate(family, PROMPTS[0], "treegraft", max_tokens=12, session=session)
     second = generate(family, PROMPTS[0] + first.text + "\n\ndef size(path):\n", "treegraft",

@@ -88,7 +88,8 @@ def test_split_target_generates_what_one_process_does(one_process, ranks):
 @needs_launch
 def test_per_step_sizing_across_ranks_decides_as_one_process_does(runner):
     """With sizing on (scripted costs and clock, as the in-process tests have), rank 0 runs
-    the adaptive loop over the split target: the same trees, so the same sampled output."""
+    the adaptive loop over the split target: the same rows verified at every step, the same
+    output."""
     family = runner.adaptive(load(fixture_path(), warmup=False))
     assert family.tree.adaptive
     expected = runner.cases(family)
@@ -119,7 +120,8 @@ def test_a_hung_rank_ends_the_others_within_the_timeout():
 def test_an_idle_rank_ends_at_its_idle_deadline():
     """Rank 0 stops sending after one generation: rank 1 waits for its next request no
     longer than TREEGRAFT_PIPELINE_IDLE_TIMEOUT, then ends with a message."""
-    r = launch(2, "idle", timeout=300, TREEGRAFT_PIPELINE_IDLE_TIMEOUT="4")
+    r = launch(2, "idle", timeout=300, TREEGRAFT_PIPELINE_IDLE_TIMEOUT="4",
+               TREEGRAFT_PIPELINE_TIMEOUT="3600")   # only the idle deadline can end it in time
     out = r.stdout + r.stderr
     assert "rank 1: waiting for rank 0's next request from rank 0 timed out" in out, out[-2000:]
     assert "rank 1 exited with code 3" in out
