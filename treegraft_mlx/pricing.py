@@ -163,9 +163,13 @@ class CallPolicy:
         that probability. Measured, not taken from the acceptance model: its fit pools every
         kind of node, and chain tokens are accepted more often than the pool says (greedy
         tg-tiny: 0.46 predicted for the first token, about 0.7 observed)."""
-        p = np.exp(np.asarray(logps, dtype=np.float64))
-        b = np.minimum((p * self.BINS).astype(np.int64), self.BINS - 1)
+        p, b = self._bins(logps)
         return (self.hits[b] + self.PRIOR * p) / (self.reached[b] + self.PRIOR)
+
+    def _bins(self, logps: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        """The drafter's probability of each token, and its bin."""
+        p = np.exp(np.asarray(logps, dtype=np.float64))
+        return p, np.minimum((p * self.BINS).astype(np.int64), self.BINS - 1)
 
     def observe_chain(self, tokens: list[int], logps: list[float], committed: list[int]) -> None:
         """A step drafted the chain `tokens` (the drafter's `logps`) and committed
@@ -173,8 +177,7 @@ class CallPolicy:
         is the committed token at its depth. Right in both regimes, verified or not: a
         rejected token is never the bonus, and an unverified one is the bonus exactly as
         often as the target would have accepted it."""
-        for tok, lp, got in zip(tokens, logps, committed):
-            b = min(int(np.exp(lp) * self.BINS), self.BINS - 1)
+        for tok, b, got in zip(tokens, self._bins(logps)[1], committed):
             self.reached[b] = self.DECAY * self.reached[b] + 1.0
             self.hits[b] = self.DECAY * self.hits[b] + float(tok == got)
             if tok != got:
