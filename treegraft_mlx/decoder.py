@@ -40,7 +40,7 @@ from .drafters import Drafters
 from .family import TreeConfig
 from .history import History
 from .pricing import CallPolicy, Fallback, Sizer
-from .sampling import SamplerSettings, sample_token
+from .sampling import SamplerSettings, draw, host_probs, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
@@ -404,7 +404,8 @@ class Decoder:
         steady = self.drafters.strong.lag(history) <= self.calls.STEADY_LAG
         if called:
             build.graft_chain(self.drafters.strong, self.calls.MAX_CHAIN, cfg, history,
-                              self._chain_pays)
+                              self._chain_pays,
+                              None if self.settings.greedy else self._sampled_draft)
             # The chain's tokens are priced at their measured acceptance where that is higher.
             accept = sizer.accept(build.tree)
             nodes = build.chain_path[1:]
@@ -412,6 +413,13 @@ class Decoder:
                                        self.calls.chain_accept(build.chain_drafts()[1]))
             plan = sizer.plan(build.tree, history.committed, accept)
         return build, plan, (bucket, called) if steady or not called else None
+
+    def _sampled_draft(self, logp: np.ndarray) -> tuple[int, np.ndarray]:
+        """A chain token drawn from the drafter's distribution q under the target's sampler
+        settings, and q: verified by min(1, p/q), it is accepted with 1 - TV(p, q) instead of
+        the target's p of the drafter's argmax (docs/design.md §9.4)."""
+        q = host_probs(logp, self.settings)
+        return draw(q, self.rng), q
 
     def _chain_pays(self, tree: DraftTree, path: list[int]) -> bool:
         """Whether the strong drafter's chain (`path`, root first) should draft one more
