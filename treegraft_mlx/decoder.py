@@ -146,6 +146,11 @@ class Decoder:
         self.clock = session.family.clock
         if strategy.needs_strong and session.strong is None:
             raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+        if (strategy.combine_layers or strategy.learned) and getattr(family_strong(session),
+                                                                     "RECURRENT", False):
+            raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
+                             "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
+                             "draft, treegraft or chain")
         self.drafters = Drafters(session.ngram, session.strong if strategy.needs_strong else None)
         self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
         family = session.family
@@ -514,6 +519,11 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
     acc = accept(tree, logits, settings, rng)
     block = commit(session, drafters, tree, logits, acc)
     return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
+
+
+def family_strong(session: Session):
+    """The strong drafter's model, or None."""
+    return session.strong.model if session.strong is not None else None
 
 
 def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:

@@ -95,7 +95,7 @@ class ModelDrafter:
     def rewind(self, length: int) -> None:
         """The history was rewritten after `length` tokens: drop what the cache holds past it."""
         self.observe(None, 0)
-        self.cache.reset(min(self.cache.offset, length))
+        self.cache.reset(self.cache.rewindable(min(self.cache.offset, length)))
 
     def snapshot(self) -> Optional["StepState"]:
         """This step's state, to explore another branch and come back (calibration)."""
