@@ -211,7 +211,7 @@ def connect(target_dir: Path) -> tuple[Link, list[Stage]]:
     """Join the group `mlx.launch` started, check every rank runs the same versions and model,
     and cut the target's layers by bytes."""
     from .loading import read_config, read_weights, weight_files
-    from .models import build_class, model_args
+    from .models import model_args
 
     with watched_from_outside(timeout_s(), "connecting to the other ranks (is every host in "
                               "--hosts / --hostfile reachable and running the same command?)"):
