@@ -37,6 +37,15 @@ def checkpoint(request, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    """The dense hybrid alone, for the slow tests whose subject is not the experts."""
+    dest = tmp_path_factory.mktemp("dense") / "qwen3_5"
+    shutil.copytree(REFERENCES / "qwen3_5", dest)
+    write_tokenizer(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
 def model(checkpoint):
     return load_model(checkpoint)[0]
 
@@ -206,6 +215,81 @@ def test_a_multimodal_checkpoint_is_read_for_its_text_model(checkpoint, tmp_path
         model = load_model(dest)[0]
     ref = np.load(checkpoint / "logits.npz")
     assert relative_error(model(mx.array([ref["ids_short"].tolist()]))[0], ref["short"]) < TOL
+
+
+def test_the_converter_reads_released_checkpoints_and_keeps_what_it_must(checkpoint, tmp_path):
+    """`treegraft convert` on the released layout (fused experts, an MTP head): the same
+    logits; cast to bf16, the decay parameters stay fp32 and the MTP head's tensors are
+    carried into the bundle (left out on load); quantized to 4 bits, `mlx_lm` reads the
+    bundle as ours does."""
+    import mlx_lm
+    from safetensors.numpy import load_file, save_file
+    from treegraft_mlx.convert.bundle import QuantSpec, convert_family
+
+    src = as_mlx_lm_reads_it(checkpoint, tmp_path / "released")
+    weights = load_file(src / "model.safetensors")
+    weights["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
+    save_file(weights, str(src / "model.safetensors"))
+    ref = np.load(checkpoint / "logits.npz")
+    ids = mx.array([ref["ids_long"].tolist()])
+    quiet = dict(log=lambda line: None)
+    plain = convert_family(str(src), [], str(tmp_path / "fp32"), **quiet) / "target"
+    assert relative_error(load_model(plain)[0](ids)[0], ref["long"]) < TOL
+    bf16 = convert_family(str(src), [], str(tmp_path / "bf16"), dtype="bfloat16", **quiet)
+    stored = mx.load(str(next((bf16 / "target").glob("*.safetensors"))))
+    assert stored["model.layers.0.linear_attn.A_log"].dtype == mx.float32
+    assert stored["model.layers.0.linear_attn.in_proj_qkv.weight"].dtype == mx.bfloat16
+    assert "mtp.fc.weight" in stored
+    model = load_model(bf16 / "target", dtype=mx.bfloat16)[0]
+    assert model.model.layers[0].linear_attn.A_log.dtype == mx.float32
+    q4 = convert_family(str(src), [], str(tmp_path / "q4"), quant=QuantSpec(4, 32),
+                        **quiet) / "target"
+    ours, theirs = load_model(q4)[0], mlx_lm.load(str(q4))[0]
+    theirs.set_dtype(mx.float32)
+    assert ours.quantization["bits"] == 4
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
+
+
+def exact_pair_distribution(model, ids: list[int], settings) -> dict:
+    """P(t1, t2) under the processed target distribution, from plain forwards."""
+    from treegraft_mlx.sampling import target_probs
+
+    p1 = np.array(target_probs(model(mx.array([ids]))[0, -1], settings), dtype=np.float64)
+    pairs = {}
+    for t1 in np.flatnonzero(p1):
+        p2 = np.array(target_probs(model(mx.array([ids + [int(t1)]]))[0, -1], settings),
+                      dtype=np.float64)
+        for t2 in np.flatnonzero(p2):
+            pairs[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return pairs
+
+
+@pytest.mark.parametrize("strategy", ["draft", "treegraft"])   # n-gram drafts: none at token 2
+def test_sampling_on_a_hybrid_is_lossless(dense, strategy, monkeypatch):
+    """The first two sampled tokens (the second through tree acceptance over the recurrent
+    state; the drafter called on every step, its chain sampled) follow the target's
+    distribution: chi-square over 400 seeds, alpha 0.001. Measured power: test_lossless's
+    `follows_the_argmax` injected gives chi-square 501 in both cases."""
+    from treegraft_mlx.pricing import CallPolicy
+    from treegraft_mlx.sampling import SamplerSettings
+
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+
+    family = load(dense, drafters=[dense], warmup=False)
+    settings = SamplerSettings(temp=1.5, top_k=3)
+    ids = family.tokenizer.encode(PROMPT)
+    exact = exact_pair_distribution(family.target, ids, settings)
+    keys = sorted(exact)
+    counts = np.zeros(len(keys))
+    session = Session(family, family.tree)
+    for seed in range(400):
+        out = generate(family, ids, strategy, max_tokens=2, temp=1.5, top_k=3, seed=seed,
+                       session=session)
+        counts[keys.index(tuple(out.token_ids))] += 1
+    probs = np.array([exact[k] for k in keys])
+    expected = probs * counts.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert len(keys) == 9 and chi2 < 26.12          # df 8, alpha 0.001
 
 
 def test_pipeline_refuses_a_hybrid_target(checkpoint):

@@ -153,8 +153,8 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
 
     float_dtypes = [w.dtype for w in weights.values() if mx.issubdtype(w.dtype, mx.floating)]
     target = device.compute_dtype(float_dtypes[0] if float_dtypes else mx.float32, dtype)
-    weights = {k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
-               for k, v in weights.items()}
+    weights = {k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating)
+                   and not k.endswith(model.FULL_PRECISION) else v) for k, v in weights.items()}
     weight_bytes = sum(w.nbytes for w in weights.values())
     need = estimate_bytes(args, weight_bytes, context or args.max_position_embeddings, target,
                           len(model.model.layers))

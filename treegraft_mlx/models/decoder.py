@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -229,6 +229,7 @@ class Model(nn.Module):
     BLOCK: ClassVar[type] = Block
     NORM: ClassVar[type] = nn.RMSNorm
     RECURRENT: ClassVar[bool] = False   # layers carry a state a cache cannot truncate
+    FULL_PRECISION: ClassVar[tuple[str, ...]] = ()   # weights (name endings) never cast down
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -293,6 +294,12 @@ class Model(nn.Module):
             dtype = self.model.norm.weight.dtype
         return KVCache(len(self.model.layers), a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
+
+    @classmethod
+    def checkpoint_names(cls, weights: dict, halves: Optional[Callable] = None) -> dict:
+        """A checkpoint's tensors (or header shapes: `halves` splits a fused pair) under this
+        model's names, before experts are stacked: the same here."""
+        return weights
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names -> this model's: per-expert tensors stacked (see moe.py)."""

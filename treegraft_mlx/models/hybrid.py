@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -274,6 +274,9 @@ class HybridModel(Model):
     BLOCK: ClassVar[type] = HybridBlock
     NORM: ClassVar[type] = GemmaRMSNorm
     RECURRENT: ClassVar[bool] = True
+    # The decay parameters the recurrent state compounds every token: kept in fp32, as
+    # mlx_lm keeps A_log (bf16 rounding would compound through every step).
+    FULL_PRECISION: ClassVar[tuple[str, ...]] = ("A_log", "dt_bias")
 
     def make_cache(self, max_len: Optional[int] = None,
                    dtype: Optional[mx.Dtype] = None) -> "HybridCache":
@@ -281,34 +284,44 @@ class HybridModel(Model):
         dtype = dtype or self.model.norm.weight.dtype
         return HybridCache(a, max_len or a.max_position_embeddings, dtype)
 
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint names -> this model's. A multimodal checkpoint's text tower is read and
-        its vision weights left out (one warning says so); the multi-token-prediction head
-        (`mtp.*`) is not run yet, so it is left out too. Experts stored fused
-        (`experts.gate_up_proj`, as the Qwen 3.5 MoE releases) or one by one are stacked. An
-        `mlx_lm`-converted directory stores the convolution as (channels, kernel, 1) and the
-        zero-centred norms with their 1 added: both are undone."""
+    @classmethod
+    def checkpoint_names(cls, weights: dict, halves: Callable = None) -> dict:
+        """A released checkpoint's tensors (or header shapes) under this model's names. A
+        multimodal checkpoint's text tower is read and its vision weights left out (one warning
+        says so); the multi-token-prediction head (`mtp.*`) is kept as it is; experts stored
+        fused (`experts.gate_up_proj`, as the Qwen 3.5 MoE releases) are
+        split into the stacked layout by `halves` (default: arrays)."""
+        halves = halves or (lambda w: mx.split(w, 2, axis=-2))
         vision = [k for k in weights if k.startswith(("model.visual", "vision_tower"))]
         if vision:
             warnings.warn(f"reading the text model only: {len(vision)} vision weights left out")
         out = {}
         for name, w in weights.items():
-            if name in vision or name.startswith("mtp."):
+            if name in vision:
                 continue
-            out[name.replace("model.language_model.", "model.").removeprefix("language_model.")] = w
+            name = name.replace("model.language_model.", "model.").removeprefix("language_model.")
+            if name.endswith(".experts.gate_up_proj"):
+                prefix = name.removesuffix(".experts.gate_up_proj")
+                out[f"{prefix}.switch_mlp.gate_proj.weight"], out[
+                    f"{prefix}.switch_mlp.up_proj.weight"] = halves(w)
+            elif name.endswith(".experts.down_proj"):
+                out[f"{name.removesuffix('.experts.down_proj')}.switch_mlp.down_proj.weight"] = w
+            else:
+                out[name] = w
+        return out
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint names -> this model's (`checkpoint_names`, then experts stacked); the
+        MTP head is not run yet, so it is not loaded. An `mlx_lm`-converted directory stores
+        the convolution as (channels, kernel, 1) and the zero-centred norms with their 1 added:
+        both are undone."""
+        out = {k: v for k, v in self.checkpoint_names(weights).items() if not k.startswith("mtp.")}
         k = self.args.linear_conv_kernel_dim
         converted = any(n.endswith("conv1d.weight") and w.shape[-1] != k for n, w in out.items())
-        for name, w in list(out.items()):
-            if name.endswith("conv1d.weight") and converted:
-                out[name] = w.transpose(0, 2, 1)
-            elif converted and name.endswith(CENTRED_NORMS) and w.ndim == 1:
-                out[name] = w - 1.0
-            elif name.endswith(".experts.gate_up_proj"):
-                prefix = name.removesuffix(".experts.gate_up_proj")
-                gate, up = mx.split(out.pop(name), 2, axis=-2)
-                out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
-                out[f"{prefix}.switch_mlp.up_proj.weight"] = up
-                out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+        if converted:
+            out = {name: (w.transpose(0, 2, 1) if name.endswith("conv1d.weight") else
+                          w - 1.0 if name.endswith(CENTRED_NORMS) and w.ndim == 1 else w)
+                   for name, w in out.items()}
         return super().sanitize(out)
 
 
