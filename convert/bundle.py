@@ -29,12 +29,15 @@ from ..hub import resolve_path
 from ..loading import LoadError, read_config, weight_files
 from mlx.utils import tree_flatten
 
-from ..models import build_class, build_model, legacy_config, model_args
+from ..models import build_model, legacy_config, model_args
 from ..models.moe import EXPERT_TENSOR, stack_experts
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 RECIPES = ("uniform", "mixed-8-embed")  # mixed-8-embed: embeddings and LM head at 8 bits
-QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight")
+# Every projection, Gated DeltaNet's input projections included (as mlx_lm quantizes them);
+# routers, norms, the convolution and the decay parameters stay in full precision.
+QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight",
+                        *(f".in_proj_{p}.weight" for p in ("qkv", "z", "a", "b", "qkvz", "ba")))
 SHARD_BYTES = 2 * 2**30
 
 
@@ -103,7 +106,7 @@ def _check_weights_match_config(src: Source) -> None:
     seen: dict = {}
     for f in src.files:
         seen.update(_header(f))
-    seen = build_class(args).checkpoint_names(
+    seen = build_model(args).checkpoint_names(
         seen, halves=lambda shape: ([*shape[:-2], shape[-2] // 2, shape[-1]],) * 2)
     if args.experts:
         seen = stack_experts(seen, args.experts, stack=lambda shapes: [len(shapes), *shapes[0]])
@@ -176,11 +179,13 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
         qconfig = {"group_size": quant.group_size, "bits": quant.bits}
     tie = src.config.get("tie_word_embeddings", False)
     args = model_args(src.config)
-    experts, keep = args.experts, build_class(args).FULL_PRECISION
+    model = build_model(args)
+    experts, keep = args.experts, model.FULL_PRECISION
     written, index, shard_id = 0, {}, 0
     carried: dict[str, mx.array] = {}  # experts whose group another shard completes
     for f in src.files:
-        tensors = {**carried, **build_class(args).checkpoint_names(mx.load(str(f)))}
+        # Names as the model reads them, but fused projections stay fused: mlx_lm reads them so.
+        tensors = {**carried, **model.checkpoint_names(mx.load(str(f)), unfuse=False)}
         if experts:
             tensors = stack_experts(tensors, experts)
             carried = {k: v for k, v in tensors.items() if EXPERT_TENSOR.match(k)}

@@ -23,7 +23,7 @@ REFERENCES = Path(__file__).parent / "hf_reference"
 CASES = sorted(p.name for p in REFERENCES.iterdir() if (p / "config.json").exists())
 TOL = 1e-5  # relative to the largest logit; fp32 on both sides
 # Hybrids (Gated DeltaNet): transformers runs the delta rule chunked, summing in another order.
-HYBRID_TOL = {"qwen3_5": 1e-4, "qwen3_5_moe": 1e-4}
+HYBRID_TOL = {"qwen3_5": 1e-4, "qwen3_5_moe": 1e-4, "qwen3_next": 1e-4}
 
 
 def as_written(name: str, dest: Path) -> Path:
@@ -90,7 +90,7 @@ def test_logits_match_mlx_lm_on_the_same_weights(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3-longrope",
-                                  "mixtral", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
+                                  "mixtral", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_converted_bundles_keep_the_logits(tmp_path, name):
     src = as_written(name, tmp_path / name)
     ref = np.load(REFERENCES / name / "logits.npz")

@@ -66,6 +66,12 @@ CASES = {
                         shared_expert_intermediate_size=48, rope_parameters={
                             "rope_type": "default", "rope_theta": 500000.0,
                             "partial_rotary_factor": 0.25}),
+    "qwen3_next": dict(model_type="qwen3_next", num_hidden_layers=4, **HYBRID, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=1,
+                       mlp_only_layers=[1], norm_topk_prob=True, rope_parameters={
+                           "rope_type": "default", "rope_theta": 2000000.0,
+                           "partial_rotary_factor": 0.5}),
 }
 INPUTS = {"short": list(range(3, 15)),
           "long": [int(t) for t in np.random.default_rng(0).integers(3, 290, size=40)]}

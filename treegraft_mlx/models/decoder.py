@@ -295,8 +295,8 @@ class Model(nn.Module):
         return KVCache(len(self.model.layers), a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
 
-    @classmethod
-    def checkpoint_names(cls, weights: dict, halves: Optional[Callable] = None) -> dict:
+    def checkpoint_names(self, weights: dict, halves: Optional[Callable] = None,
+                         unfuse: bool = True) -> dict:
         """A checkpoint's tensors (or header shapes: `halves` splits a fused pair) under this
         model's names, before experts are stacked: the same here."""
         return weights

@@ -1,6 +1,6 @@
-"""Qwen 3.5 text models (`qwen3_5`, `qwen3_5_moe`): Gated DeltaNet linear attention on most
-layers, gated full attention on every `full_attention_interval`-th, as transformers 5.24 defines
-them.
+"""Qwen 3.5 and Qwen3-Next text models (`qwen3_5`, `qwen3_5_moe`, `qwen3_next`): Gated DeltaNet
+linear attention on most layers, gated full attention on every `full_attention_interval`-th,
+as transformers 5.24 defines them.
 
 A linear-attention layer carries a recurrent state (heads x d_k x d_v) and the last K - 1
 inputs of a depthwise causal convolution instead of keys and values. Verifying a draft tree
@@ -31,7 +31,8 @@ from .moe import MoE
 from .rope import rope_spec
 
 FAMILIES: dict[str, dict[str, Any]] = {
-    t: {"qk_norm": True} for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")}
+    t: {"qk_norm": True} for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                                   "qwen3_next")}
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 # The norms stored as offsets from 1 (mlx_lm's converter adds the 1 in).
 CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
@@ -76,11 +77,13 @@ class HybridArgs(ModelArgs):
             raise ValueError(f"layer_types must name {n} layers, each full_attention or "
                              f"linear_attention; got {self.layer_types}")
         self.sliding_window, self.sliding_layers = None, [False] * n
-        if self.model_type in MOE_TYPES and not self.num_experts:
+        if self.model_type in MOE_TYPES + ("qwen3_next",) and not self.num_experts:
             raise ValueError(f"{self.model_type} needs num_experts")
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.model_type in MOE_TYPES
+        """Every layer in Qwen 3.5 MoE; Qwen3-Next as Qwen3-MoE decides (sparse step, MLP-only
+        layers)."""
+        return self.model_type in MOE_TYPES or super().is_moe_layer(layer)
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
@@ -239,7 +242,8 @@ class SharedExpertMoE(MoE):
 
     def __init__(self, args: HybridArgs):
         super().__init__(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                         args.num_experts_per_tok, True)
+                         args.num_experts_per_tok,
+                         args.model_type in MOE_TYPES or args.norm_topk_prob)
         self.shared_expert = MLP(dataclasses.replace(
             args, intermediate_size=args.shared_expert_intermediate_size))
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
@@ -284,13 +288,18 @@ class HybridModel(Model):
         dtype = dtype or self.model.norm.weight.dtype
         return HybridCache(a, max_len or a.max_position_embeddings, dtype)
 
-    @classmethod
-    def checkpoint_names(cls, weights: dict, halves: Callable = None) -> dict:
+    def checkpoint_names(self, weights: dict, halves: Optional[Callable] = None,
+                         unfuse: bool = True) -> dict:
         """A released checkpoint's tensors (or header shapes) under this model's names. A
         multimodal checkpoint's text tower is read and its vision weights left out (one warning
         says so); the multi-token-prediction head (`mtp.*`) is kept as it is; experts stored
         fused (`experts.gate_up_proj`, as the Qwen 3.5 MoE releases) are
-        split into the stacked layout by `halves` (default: arrays)."""
+        split into the stacked layout by `halves` (default: arrays). Qwen3-Next's fused
+        `in_proj_qkvz` / `in_proj_ba` (grouped per key head) become Qwen 3.5's four
+        projections (unless not to `unfuse`), so one layer serves both; given header shapes,
+        only shapes move."""
+        if self.args.model_type == "qwen3_next" and unfuse:
+            weights = self.unfused(weights, shapes=halves is not None)
         halves = halves or (lambda w: mx.split(w, 2, axis=-2))
         vision = [k for k in weights if k.startswith(("model.visual", "vision_tower"))]
         if vision:
@@ -310,6 +319,30 @@ class HybridModel(Model):
                 out[name] = w
         return out
 
+    def unfused(self, weights: dict, shapes: bool) -> dict:
+        """Qwen3-Next's grouped projections as Qwen 3.5 lays them out: per key head g, the
+        rows [q_g, k_g, v_g, z_g] and [b_g, a_g] regrouped into [q; k; v], [z], [b], [a]
+        (weights, and the scales and biases of a quantized one, row for row)."""
+        a = self.args
+        r = a.linear_num_value_heads // a.linear_num_key_heads
+        qkvz = (a.linear_key_head_dim, a.linear_key_head_dim, r * a.linear_value_head_dim,
+                r * a.linear_value_head_dim)
+        out = {}
+        for name, w in weights.items():
+            for fused, sizes, parts in ((".in_proj_qkvz.", qkvz, ("qkv", "qkv", "qkv", "z")),
+                                        (".in_proj_ba.", (r, r), ("b", "a"))):
+                if fused in name:
+                    pieces = grouped_rows(w, a.linear_num_key_heads, sizes, shapes)
+                    for part in dict.fromkeys(parts):
+                        mine = [p for p, n in zip(pieces, parts) if n == part]
+                        out[name.replace(fused, f".in_proj_{part}.")] = (
+                            [sum(p[0] for p in mine), *mine[0][1:]] if shapes
+                            else mx.concatenate(mine))
+                    break
+            else:
+                out[name] = w
+        return out
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names -> this model's (`checkpoint_names`, then experts stacked); the
         MTP head is not run yet, so it is not loaded. An `mlx_lm`-converted directory stores
@@ -323,6 +356,17 @@ class HybridModel(Model):
                           w - 1.0 if name.endswith(CENTRED_NORMS) and w.ndim == 1 else w)
                    for name, w in out.items()}
         return super().sanitize(out)
+
+
+def grouped_rows(w, groups: int, sizes: tuple, shapes: bool) -> list:
+    """The rows of w, laid out as `groups` repeats of blocks of `sizes`, as one piece per
+    size with every group's block of it in order (a shape: its rows counted)."""
+    if shapes:
+        return [[groups * n, *w[1:]] for n in sizes]
+    blocks = w.reshape(groups, sum(sizes), *w.shape[1:])
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    return [b.reshape(groups * n, *w.shape[1:])
+            for b, n in zip(mx.split(blocks, cuts, axis=1), sizes)]
 
 
 @dataclass
