@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from checkpoints import write_tokenizer
+from test_sampling import exact_pair_distribution
 from treegraft_mlx import generate, load
 from treegraft_mlx.loading import load_model
 from treegraft_mlx.models import legacy_config
@@ -258,20 +259,6 @@ def test_the_converter_reads_released_checkpoints_and_keeps_what_it_must(checkpo
     theirs = mlx_lm.load(str(q4))[0]
     theirs.set_dtype(mx.float32)
     assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
-
-
-def exact_pair_distribution(model, ids: list[int], settings) -> dict:
-    """P(t1, t2) under the processed target distribution, from plain forwards."""
-    from treegraft_mlx.sampling import target_probs
-
-    p1 = np.array(target_probs(model(mx.array([ids]))[0, -1], settings), dtype=np.float64)
-    pairs = {}
-    for t1 in np.flatnonzero(p1):
-        p2 = np.array(target_probs(model(mx.array([ids + [int(t1)]]))[0, -1], settings),
-                      dtype=np.float64)
-        for t2 in np.flatnonzero(p2):
-            pairs[(int(t1), int(t2))] = p1[t1] * p2[t2]
-    return pairs
 
 
 @pytest.mark.parametrize("strategy", ["draft", "treegraft"])   # n-gram drafts: none at token 2
