@@ -477,33 +477,40 @@ def test_a_client_that_disconnects_mid_stream_ends_its_generation(family):
     assert 2 <= aborted < limit // 4, aborted
 
 
-def test_requests_past_the_queue_bound_get_503_with_retry_after(family):
-    """With the model busy (the test holds the generation lock) and max_queue requests
-    waiting, one more is refused at once, streamed or not: 503, Retry-After and an
-    OpenAI-style error; the waiting ones are served once the model is free."""
+def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypatch):
+    """With one generation running (held at a gate) and max_queue requests waiting, one more
+    is refused at once, streamed or not: 503, Retry-After and an OpenAI-style error; the
+    others are served once the gate opens."""
+    gate, real = threading.Event(), server_mod.stream_generate
+
+    def gated(*args, **kwargs):
+        gate.wait(timeout=60)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(server_mod, "stream_generate", gated)
     body = {"prompt": PROMPT, "max_tokens": 3}
     results: dict[int, tuple] = {}
     with running(family, max_tokens_limit=LIMIT, max_queue=2) as srv:
         gen = srv.generator
-        with gen.lock:
-            waiting = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
-                       for i in range(2)]
-            for t in waiting:
-                t.start()
-            with gen.changed:
-                assert gen.changed.wait_for(lambda: gen.waiting == 2, timeout=60)
-            assert status_of(srv)["queued"] == 2 and status_of(srv)["busy"]
-            for stream_it in (False, True):
-                status, ctype, payload, resp = request(srv, "POST", "/v1/completions",
-                                                       {**body, "stream": stream_it},
-                                                       timeout=10, full=True)
-                assert status == 503 and ctype == "application/json"
-                assert resp.getheader("Retry-After") == "1"
-                err = json.loads(payload)["error"]
-                assert "busy" in err["message"] and err["code"] == 503
-        for t in waiting:
+        clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
+                   for i in range(3)]
+        for t in clients:
+            t.start()
+        with gen.changed:
+            assert gen.changed.wait_for(lambda: gen.busy and gen.admitted == 3, timeout=60)
+        assert status_of(srv)["queued"] == 2 and status_of(srv)["busy"]
+        for stream_it in (False, True):
+            status, ctype, payload, resp = request(srv, "POST", "/v1/completions",
+                                                   {**body, "stream": stream_it},
+                                                   timeout=10, full=True)
+            assert status == 503 and ctype == "application/json"
+            assert resp.getheader("Retry-After") == "1"
+            err = json.loads(payload)["error"]
+            assert "busy: 2 requests already wait" in err["message"] and err["code"] == 503
+        gate.set()
+        for t in clients:
             t.join(timeout=120)
-    assert [results[i][0] for i in range(2)] == [200, 200]
+    assert [results[i][0] for i in range(3)] == [200] * 3
 
 
 def test_a_stalled_client_is_dropped_after_the_timeout(family):

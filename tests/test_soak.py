@@ -15,11 +15,11 @@ from serving import chunks_of, request, running, status_of, streamed
 
 from treegraft_mlx import fixture_path, generate, load
 
-CLIENTS, ROUNDS = 6, 4
+CLIENTS, ROUNDS = 8, 10
 MAX_TOKENS = 12
-MAX_QUEUE = 2                 # small: with six clients some requests find the queue full
+MAX_QUEUE = 4                 # small: with eight clients some requests find the queue full
 RSS_BOUND_MB = 64             # growth allowed over the soak, after one warm-up generation
-OVERSIZED = 5 << 20           # bytes, past the server's 4096-byte body limit
+OVERSIZED = b"x" * (5 << 20)  # past the server's 4096-byte body limit (one buffer for all)
 PROMPTS = ["def parse_header(line):\n", "class Stack:\n    def push(self, item):\n",
            "a = 1\nb = 2\n" * 4, "import os\n\n\ndef main():\n"]
 KINDS = ("plain", "stream", "disconnect", "oversized")
@@ -45,7 +45,7 @@ def one(srv, kind: str, prompt: str, serial: dict) -> str:
     """Run one request of `kind`; its outcome: "answered", "refused" or "ended by client"."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS}
     if kind == "oversized":
-        status, _, _ = request(srv, "POST", "/v1/completions", raw=b"x" * OVERSIZED, timeout=120)
+        status, _, _ = request(srv, "POST", "/v1/completions", raw=OVERSIZED, timeout=120)
         assert status == 413
         return "answered"
     if kind == "disconnect":       # reads the first event, then hangs up
@@ -96,6 +96,9 @@ def test_soak(family):
             t.start()
         for t in threads:
             t.join(timeout=600)           # a hang guard: the soak takes seconds
+        gen = srv.generator
+        with gen.changed:                     # a hung-up client's generation ends its step
+            assert gen.changed.wait_for(lambda: gen.admitted == 0, timeout=120)
         wall, after = time.perf_counter() - t0, rss_mb()
         status = status_of(srv)
     if failures:

@@ -3,11 +3,11 @@ browser chat page at / (page.py), and /treegraft/config and /treegraft/status fo
 
 Built on the standard library's ThreadingHTTPServer, like mlx_lm's own server: no extra
 dependency, well kept with CPython, and enough for one local user or app. Connections are
-served concurrently; generations queue on one lock (one model, one device), and at most
-`max_queue` requests wait there (more get 503). Errors come back as OpenAI-style JSON with
-the right status code; an oversized body is read and dropped (up to a cap) so that even a
-client that sends all of it before reading gets its 413. A client that goes away mid-stream
-ends its generation at the next step.
+served concurrently; generations run one at a time on one worker thread (one model, one
+device), and at most `max_queue` requests wait for it (more get 503). Errors come back as
+OpenAI-style JSON with the right status code; an oversized body is read and dropped (up to a
+cap) so that even a client that sends all of it before reading gets its 413. A client that
+goes away mid-stream ends its generation at the next step.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import hmac
 import ipaddress
 import json
 import math
+import queue
 import socket
 import threading
 import time
 import traceback
 import uuid
 from collections import Counter
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,7 +50,7 @@ class ServerConfig:
     strategy: str = "treegraft"
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
-    max_queue: int = 16                 # requests that may wait for the generation lock
+    max_queue: int = 16                 # requests that may wait while one generates
     timeout: float = 60.0               # seconds a connection may stall (request or reply)
     api_key: Optional[str] = None       # /v1/* and /treegraft/* need "Bearer <api_key>"
     drain_bytes: int = 64 << 20         # an oversized body up to this is read before the 413
@@ -76,16 +77,38 @@ class Served:
     last: Optional[dict] = None          # the last finished generation's reason, tokens, steps
 
 
+@dataclass
+class Job:
+    """One generation handed to the worker thread; its pieces come back on `out` (then an
+    exception, if it failed, and END), and `cancelled` stops it at its next step."""
+
+    prompt: str
+    params: dict
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+END = object()    # the last item of a Job's `out`
+
+
 class Generator:
-    """Validates a request and runs it on the family, one generation at a time, with at most
-    `max_queue` requests waiting for their turn; counts what it served (status)."""
+    """Validates requests and runs them on the family one at a time, on one worker thread,
+    with at most `max_queue` waiting for their turn; counts what it served (status).
+
+    One long-lived thread generates because the compute libraries keep native state per
+    calling thread: generating on the handler's thread (a new one per connection) grew the
+    process by about 50 KB a request, measured; one thread does not grow."""
 
     def __init__(self, family: Family, config: ServerConfig):
         self.family, self.config = family, config
-        self.lock = threading.Lock()            # held for a whole generation: the queue
-        self.changed = threading.Condition()    # guards `waiting` and `served`; notified on change
-        self.waiting = 0
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()   # Jobs, then None to stop
+        self.changed = threading.Condition()    # guards the counts below; notified on change
+        self.admitted = 0                       # jobs handed over and not finished
+        self.busy = False                       # the worker is generating
         self.served = Served()
+        self.stopping = threading.Event()       # close(): every generation ends at its next step
+        self.worker = threading.Thread(target=self._work, name="treegraft-generate", daemon=True)
+        self.worker.start()
 
     def parameters(self, body: dict) -> dict:
         model = body.get("model")
@@ -121,50 +144,69 @@ class Generator:
                     settings=settings)
 
     def run(self, prompt: str, params: dict) -> Iterator[Response]:
-        """Yield Response pieces while holding the generation lock (a queue). Closing this
-        generator (the client went away) ends the generation at its next step."""
-        with self._turn():
-            reason, last = "error", None
-            try:
-                for last in stream_generate(self.family, prompt, **params):
-                    self._progress(last)
-                    yield last
-                reason = last.finish_reason if last else "stop"
-            except GeneratorExit:
-                reason = "disconnected"
-                raise
-            except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
-                raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
-            finally:
-                self._finish(reason, last)
-
-    @contextmanager
-    def _turn(self) -> Iterator[None]:
-        """Hold the generation lock for one generation; a request that would be one more
-        than `max_queue` waiting for it is refused (503 with Retry-After) instead."""
-        if not self.lock.acquire(blocking=False):
-            with self.changed:
-                if self.waiting >= self.config.max_queue:
-                    raise RequestError(
-                        HTTPStatus.SERVICE_UNAVAILABLE, f"the server is busy: {self.waiting} "
-                        f"requests already wait for the model; retry in {RETRY_AFTER_S} s",
-                        "server_error", {"Retry-After": str(RETRY_AFTER_S)})
-                self.waiting += 1
-                self.changed.notify_all()
-            try:
-                self.lock.acquire()
-            finally:
-                with self.changed:
-                    self.waiting -= 1
-                    self.changed.notify_all()
+        """Hand the generation to the worker and yield its pieces as they come. Closing this
+        generator (the client went away) cancels it: the worker stops at its next step."""
+        job = self._admit(prompt, params)
         try:
-            yield
+            while (item := job.out.get()) is not END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
         finally:
-            self.lock.release()
+            job.cancelled.set()
 
-    def _progress(self, r: Response) -> None:
+    def _admit(self, prompt: str, params: dict) -> Job:
+        """A job for the worker; refused (503 with Retry-After) when one generation runs and
+        `max_queue` more already wait."""
         with self.changed:
-            self.served.current = r
+            if self.admitted > self.config.max_queue:
+                raise RequestError(
+                    HTTPStatus.SERVICE_UNAVAILABLE, f"the server is busy: {self.admitted - 1} "
+                    f"requests already wait for the model; retry in {RETRY_AFTER_S} s",
+                    "server_error", {"Retry-After": str(RETRY_AFTER_S)})
+            self.admitted += 1
+            self.changed.notify_all()
+        job = Job(prompt, params)
+        self.jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        """End every generation at its next step and wait for the worker to stop (a process
+        that exits while the worker computes can abort in the compute library)."""
+        self.stopping.set()
+        self.jobs.put(None)
+        self.worker.join()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._generate(job)
+
+    def _generate(self, job: Job) -> None:
+        """Run one job to its end, or to the step after it was cancelled ("disconnected")."""
+        reason, last = "disconnected", None
+        self._progress(None)
+        try:
+            with closing(stream_generate(self.family, job.prompt, **job.params)) as pieces:
+                for last in pieces:
+                    self._progress(last)
+                    job.out.put(last)
+                    if job.cancelled.is_set() or self.stopping.is_set():
+                        break
+                else:
+                    reason = last.finish_reason if last else "stop"
+        except Exception as e:
+            reason = "error"
+            job.out.put(e)
+        finally:
+            self._finish(reason, last)
+            job.out.put(END)
+
+    def _progress(self, r: Optional[Response]) -> None:
+        """The worker generates; `r` is its generation's last piece so far."""
+        with self.changed:
+            self.served.current, self.busy = r, True
             self.changed.notify_all()
 
     def _finish(self, reason: str, last: Optional[Response]) -> None:
@@ -174,7 +216,8 @@ class Generator:
             served.steps, served.tokens = served.steps + steps, served.tokens + tokens
             served.finished[reason] += 1
             served.last = {"finish_reason": reason, "tokens": tokens, "steps": steps}
-            served.current = None
+            served.current, self.busy = None, False
+            self.admitted -= 1
             self.changed.notify_all()
 
     def status(self) -> dict:
@@ -182,7 +225,7 @@ class Generator:
         tokens served so far (the running generation's included, so they grow while it runs)."""
         with self.changed:
             s, live = self.served, self.served.current
-            return {"busy": self.lock.locked(), "queued": self.waiting,
+            return {"busy": self.busy, "queued": self.admitted - self.busy,
                     "steps": s.steps + (live.steps if live else 0),
                     "tokens": s.tokens + (live.generation_tokens if live else 0),
                     "finished": dict(s.finished), "last": s.last}
@@ -484,12 +527,21 @@ def make_handler(gen: Generator):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    """The HTTP server, and the Generator behind it (its counts; its worker ends with it)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], gen: Generator):
+        super().__init__(address, make_handler(gen))
+        self.generator = gen
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.generator.close()
+
+
 def make_server(family: Family, host: str = "127.0.0.1", port: int = 8080,
-                config: Optional[ServerConfig] = None) -> ThreadingHTTPServer:
-    """A ready server (call serve_forever); port 0 picks a free port. `server.generator` is
-    the Generator behind it (its lock and counts)."""
-    gen = Generator(family, config or ServerConfig())
-    server = ThreadingHTTPServer((host, port), make_handler(gen))
-    server.daemon_threads = True
-    server.generator = gen
-    return server
+                config: Optional[ServerConfig] = None) -> Server:
+    """A ready server (call serve_forever); port 0 picks a free port."""
+    return Server((host, port), Generator(family, config or ServerConfig()))
