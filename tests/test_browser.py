@@ -44,7 +44,7 @@ def browser():
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1100,900"):
+                "--window-size=1100,1500"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     yield driver
@@ -115,29 +115,41 @@ def messages(driver) -> list[dict]:
     return driver.execute_script("return state.messages")
 
 
-def test_a_streamed_answer_coloured_by_provenance_and_regenerated(browser, served, tmp_path):
-    """The page streams the answer the API gives, colours the n-gram drafter's accepted
-    drafts and the target's own tokens, shows the figures, and regenerates the same
-    (greedy) answer."""
+def api_reply(served, conversation: list[dict], strategy: str, max_tokens: int) -> str:
+    """What the API answers (not streamed) to the conversation the page holds."""
+    status, out = post(served, {"messages": [{"role": m["role"], "content": m["content"]}
+                                             for m in conversation],
+                                "max_tokens": max_tokens, "strategy": strategy,
+                                "temperature": 0}, "/v1/chat/completions")
+    assert status == 200, out
+    return out["choices"][0]["message"]["content"]
+
+
+def test_a_two_turn_chat_streams_coloured_answers_and_regenerates(browser, served, tmp_path):
+    """Each turn streams the answer the API gives for the whole conversation, its text
+    coloured by provenance (the n-gram drafter's accepted drafts and the target's own tokens
+    on repetitive text), with the figures after it; regenerate gives the same greedy answer."""
     open_page(browser, served.url)
     assert browser.find_element(By.ID, "strategy-default").text == "server default: treegraft"
     ask(browser, REPETITIVE, "ngram", 48)
     figures = answered(browser, 0)
-    assert re.search(r"tokens per target forward · \d+ drafter calls · \d+ tokens in \d+ "
-                     r"forwards \((length|stop), ngram\)", figures), figures
-    reply = messages(browser)[1]
-    _, out = post(served, {"messages": [{"role": "user", "content": REPETITIVE}],
-                           "max_tokens": 48, "strategy": "ngram", "temperature": 0},
-                  "/v1/chat/completions")
-    assert reply["content"] == out["choices"][0]["message"]["content"] != ""
-    assert "".join(text for text, _ in reply["provenance"]) == reply["content"]
-    content = browser.find_element(By.CSS_SELECTOR, ".message.assistant .content")
+    assert re.search(r"tokens/s · [\d.]+ tokens per target forward · \d+ drafter calls · "
+                     r"48 tokens in \d+ forwards \(length, ngram\)", figures), figures
+    first = messages(browser)[1]
+    assert first["content"] == api_reply(served, messages(browser)[:1], "ngram", 48) != ""
+    assert "".join(text for text, _ in first["provenance"]) == first["content"]
+    content = browser.find_elements(By.CSS_SELECTOR, ".message.assistant .content")[0]
     assert content.find_elements(By.CSS_SELECTOR, ".src-ngram")
     assert content.find_elements(By.CSS_SELECTOR, ".src-target")
+    ask(browser, "Now write a function that parses a header line.", "treegraft", 48)
+    answered(browser, 1)
+    conversation = messages(browser)
+    assert len(conversation) == 4
+    assert conversation[3]["content"] == api_reply(served, conversation[:3], "treegraft", 48)
     screenshot(browser, tmp_path, "chat-page.png", publish=True)
-    browser.find_element(By.CSS_SELECTOR, ".message.assistant .regenerate").click()
-    answered(browser, 0)
-    assert [m["content"] for m in messages(browser)] == [REPETITIVE, reply["content"]]
+    browser.find_elements(By.CSS_SELECTOR, ".message.assistant .regenerate")[-1].click()
+    answered(browser, 1)
+    assert [m["content"] for m in messages(browser)] == [m["content"] for m in conversation]
 
 
 def test_stop_ends_the_generation_and_new_chat_clears_the_page(browser, served):
@@ -191,7 +203,7 @@ def test_hostile_model_output_is_rendered_inert(browser, monkeypatch, tmp_path):
         WebDriverWait(browser, WAIT_S).until(
             lambda d: d.find_element(By.ID, "model").text == "model tg-tiny")
         ask(browser, "say something nasty", "ngram", 16)
-        answered(browser, 0)
+        assert "(stop, ngram)" in answered(browser, 0)      # the choice outlived the key
         content = browser.find_element(By.CSS_SELECTOR, ".message.assistant .content")
         for tag in ("img", "script", "svg", "iframe", "b"):
             assert not content.find_elements(By.TAG_NAME, tag), tag

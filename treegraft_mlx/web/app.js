@@ -6,7 +6,6 @@
 "use strict";
 
 const SOURCES = ["ngram", "draft", "both", "target"];
-const LOOKAHEAD = 16;   // how far ahead a rendered character is looked for in the Markdown source
 const PURIFY = {
   ALLOWED_TAGS: ["p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "strong", "em", "del",
                  "code", "pre", "blockquote", "ul", "ol", "li", "a", "table", "thead", "tbody",
@@ -68,11 +67,15 @@ async function loadConfig() {
   notice("");
   $("model").textContent = `model ${cfg.model}`;
   const select = $("strategy");
+  const first = select.options.length === 0;   // a reload (a new key) keeps what was chosen
+  const chosen = select.value;
   select.replaceChildren(...cfg.strategies.map((name) => new Option(name, name)));
-  select.value = cfg.strategy;
-  $("temperature").value = cfg.temperature;
-  $("top-p").value = cfg.top_p;
-  $("max-tokens").value = cfg.max_tokens;
+  select.value = first || !cfg.strategies.includes(chosen) ? cfg.strategy : chosen;
+  if (first) {
+    $("temperature").value = cfg.temperature;
+    $("top-p").value = cfg.top_p;
+    $("max-tokens").value = cfg.max_tokens;
+  }
   $("max-tokens").max = cfg.max_tokens_limit;
   $("strategy-default").textContent = `server default: ${cfg.strategy}`;
   $("temperature-default").textContent = `server default: ${cfg.temperature}`;
@@ -100,7 +103,8 @@ function owners(provenance) {
 
 function colour(root, text, provenance) {
   // Wrap the rendered text in spans by source: each rendered character is matched to the
-  // next equal character of the Markdown source (rendering only drops and escapes syntax).
+  // next equal character of the Markdown source (rendered text is, but for decoded
+  // entities, a subsequence of it: rendering drops syntax and sanitising drops markup).
   const sources = owners(provenance);
   const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
   const nodes = [];
@@ -109,11 +113,9 @@ function colour(root, text, provenance) {
   for (const node of nodes) {
     const labels = [];
     for (const ch of node.data.split("")) {
-      const end = Math.min(text.length, pos + LOOKAHEAD);
-      let at = pos;
-      while (at < end && text[at] !== ch) at++;
-      labels.push(at < end ? sources[at] : undefined);
-      if (at < end) pos = at + 1;
+      const at = text.indexOf(ch, pos);
+      labels.push(at >= 0 ? sources[at] : undefined);
+      if (at >= 0) pos = at + 1;
     }
     if (node.data.trim()) node.replaceWith(spans(node.data, labels));
   }
