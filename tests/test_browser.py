@@ -212,4 +212,13 @@ def test_hostile_model_output_is_rendered_inert(browser, monkeypatch, tmp_path):
         assert "<img src=x onerror=window.pwned=5>" in content.find_element(By.TAG_NAME, "pre").text
         assert content.find_elements(By.CSS_SELECTOR, ".src-ngram")
         screenshot(browser, tmp_path, "hostile.png")
+        # The second fence: markup put into the page unsanitised still runs no inline script
+        # (the Content-Security-Policy); the image's error event shows the handler was due.
+        browser.execute_script(
+            "const d = document.createElement('div');"
+            "d.innerHTML = '<img id=probe src=x onerror=\"window.pwned=6\">';"
+            "d.firstChild.addEventListener('error', () => { window.probed = true; });"
+            "document.body.append(d);")
+        WebDriverWait(browser, WAIT_S).until(lambda d: d.execute_script("return window.probed"))
+        assert browser.execute_script("return window.pwned") is None
         assert messages(browser)[1]["content"] == "".join(HOSTILE)
