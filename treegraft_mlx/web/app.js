@@ -344,7 +344,7 @@ function start() {
     $("messages").classList.toggle("coloured", e.target.checked);
   });
   $("prompt").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey) {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
       e.preventDefault();
       send();
     }
