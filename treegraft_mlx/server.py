@@ -399,13 +399,12 @@ def make_handler(gen: Generator):
                 raise RequestError(HTTPStatus.REQUEST_TIMEOUT, "the request body stalled for "
                                    f"{config.timeout} s") from None
 
-        def _skip_body(self) -> None:
+        def _skip_body(self, length: int) -> None:
             """Read and drop the body of a refused request, so that a client that sends all
             of it before reading gets the reply; the connection closes after the reply, so
             nothing unread is parsed as the next request. Past `drain_bytes` the reply goes
             out at once and the connection closes lingering (linger_close)."""
             self.close_connection = True
-            length = self._length()
             if length > config.drain_bytes:
                 self.linger = True
                 return
@@ -415,7 +414,7 @@ def make_handler(gen: Generator):
         def _raw_body(self) -> bytes:
             length = self._length()
             if length > config.max_body_bytes:
-                self._skip_body()
+                self._skip_body(length)
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                    f"request body of {length} bytes exceeds {config.max_body_bytes}")
             return self._read(length)
@@ -434,7 +433,7 @@ def make_handler(gen: Generator):
             route = self._route()
             try:
                 if not self._authorized(route):
-                    self._skip_body()
+                    self._skip_body(self._length())
                     raise unauthorized()
                 if route not in GENERATE_ROUTES:
                     self._raw_body()
