@@ -29,7 +29,7 @@ from ..hub import resolve_path
 from ..loading import LoadError, read_config, weight_files
 from mlx.utils import tree_flatten
 
-from ..models import build_model, legacy_config, model_args
+from ..models import build_class, build_model, legacy_config, model_args
 from ..models.moe import EXPERT_TENSOR, stack_experts
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -103,6 +103,8 @@ def _check_weights_match_config(src: Source) -> None:
     seen: dict = {}
     for f in src.files:
         seen.update(_header(f))
+    seen = build_class(args).checkpoint_names(
+        seen, halves=lambda shape: ([*shape[:-2], shape[-2] // 2, shape[-1]],) * 2)
     if args.experts:
         seen = stack_experts(seen, args.experts, stack=lambda shapes: [len(shapes), *shapes[0]])
         partial = _incomplete_experts(seen, args.experts)
@@ -173,11 +175,12 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
     if quant:
         qconfig = {"group_size": quant.group_size, "bits": quant.bits}
     tie = src.config.get("tie_word_embeddings", False)
-    experts = model_args(src.config).experts
+    args = model_args(src.config)
+    experts, keep = args.experts, build_class(args).FULL_PRECISION
     written, index, shard_id = 0, {}, 0
     carried: dict[str, mx.array] = {}  # experts whose group another shard completes
     for f in src.files:
-        tensors = {**carried, **mx.load(str(f))}
+        tensors = {**carried, **build_class(args).checkpoint_names(mx.load(str(f)))}
         if experts:
             tensors = stack_experts(tensors, experts)
             carried = {k: v for k, v in tensors.items() if EXPERT_TENSOR.match(k)}
@@ -186,7 +189,7 @@ def _convert_tensors(src: Source, dest: Path, quant: Optional[QuantSpec], dtype:
         for name, w in tensors.items():
             if "rotary_emb.inv_freq" in name or (tie and name == "lm_head.weight"):
                 continue
-            if dtype is not None and mx.issubdtype(w.dtype, mx.floating):
+            if dtype is not None and mx.issubdtype(w.dtype, mx.floating) and not name.endswith(keep):
                 w = w.astype(dtype)
             module = name.rsplit(".", 1)[0]
             if (quant and name.endswith(QUANTIZABLE_SUFFIXES) and w.ndim in (2, 3)

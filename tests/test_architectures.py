@@ -22,6 +22,8 @@ from treegraft_mlx.models.rope import rope_spec
 REFERENCES = Path(__file__).parent / "hf_reference"
 CASES = sorted(p.name for p in REFERENCES.iterdir() if (p / "config.json").exists())
 TOL = 1e-5  # relative to the largest logit; fp32 on both sides
+# Hybrids (Gated DeltaNet): transformers runs the delta rule chunked, summing in another order.
+HYBRID_TOL = {"qwen3_5": 1e-4, "qwen3_5_moe": 1e-4}
 
 
 def as_written(name: str, dest: Path) -> Path:
@@ -60,7 +62,7 @@ def test_logits_match_transformers(tmp_path, name, form):
     ref = np.load(REFERENCES / name / "logits.npz")
     for key in ("short", "long"):  # long: past the sliding window and longrope's short range
         got = model(mx.array([ref[f"ids_{key}"].tolist()]))[0]
-        assert relative_error(got, ref[key]) < TOL, key
+        assert relative_error(got, ref[key]) < HYBRID_TOL.get(name, TOL), key
 
 
 def mlx_lm_comparable(path: Path) -> Path:
@@ -77,7 +79,7 @@ def mlx_lm_comparable(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [c for c in CASES if c not in HYBRID_TOL])  # test_hybrid.py
 def test_logits_match_mlx_lm_on_the_same_weights(tmp_path, name):
     path = mlx_lm_comparable(as_transformers_4(name, tmp_path / name))
     ours, _ = load_model(path)
@@ -88,14 +90,14 @@ def test_logits_match_mlx_lm_on_the_same_weights(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "mistral-window", "phi3-longrope",
-                                  "mixtral", "qwen3_moe"])
+                                  "mixtral", "qwen3_moe", "qwen3_5", "qwen3_5_moe"])
 def test_converted_bundles_keep_the_logits(tmp_path, name):
     src = as_written(name, tmp_path / name)
     ref = np.load(REFERENCES / name / "logits.npz")
     ids = mx.array([ref["ids_long"].tolist()])
     plain = convert_family(str(src), [], str(tmp_path / "fp"), log=lambda s: None)
     model, _ = load_model(plain / "target")
-    assert relative_error(model(ids)[0], ref["long"]) < TOL
+    assert relative_error(model(ids)[0], ref["long"]) < HYBRID_TOL.get(name, TOL)
     written = json.loads((plain / "target" / "config.json").read_text())
     assert "rope_parameters" in written and "rope_theta" in written  # both forms, for every reader
     q4 = convert_family(str(src), [], str(tmp_path / "q4"), quant=QuantSpec(4, 32),

@@ -215,14 +215,41 @@ def test_a_priced_chain_reads_each_token_and_stops_where_told():
     lazy = ModelDrafter(FakeStrong(), top_k=3, depth=5).draft_chain(5, 4, h)
     strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
     asked = []
-    tokens, logps = strong.draft_chain(5, 4, h, lambda toks, lps: asked.append((toks, lps)) or
-                                       len(asked) < 2)
+    tokens, logps = strong.draft_chain(5, 4, h, lambda toks, lps, q: asked.append((toks, lps))
+                                       or q is not None or len(asked) < 2)
     assert tokens == lazy[0][:2] and np.allclose(logps, lazy[1][:2], atol=1e-6)
     logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
     for (toks, lps), parent in zip(asked, [5] + tokens):   # asked after every token, in order:
         assert toks == np.argsort(-logp[parent])[:3].tolist()    # its top_k, best first
         assert np.allclose(lps, logp[parent, toks], atol=1e-5)
     assert strong.cache.offset == h.committed and strong.calls == 2
+
+
+def test_a_sampled_chain_draws_each_token_and_hands_its_distribution_on():
+    """With `sample`, each chain token is the one drawn from the drafter's log-probs row at
+    its parent (not the argmax), first among the top_k handed to `more` with the q it was
+    drawn from; the chain goes on from it."""
+    h = history_of([1, 2, 3, 4])
+    strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
+    logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
+    rows, asked = [], []
+
+    def sample(row):                       # the least likely token: never the argmax
+        rows.append(row)
+        q = np.zeros(len(row))
+        q[int(np.argmin(row))] = 1.0
+        return int(np.argmin(row)), q
+
+    tokens, logps = strong.draft_chain(5, 3, h, lambda toks, lps, q: asked.append((toks, q))
+                                       or True, sample)
+    parents = [5] + tokens[:-1]
+    assert tokens == [int(np.argmin(logp[u])) for u in parents]
+    assert np.allclose(logps, [logp[u, v] for u, v in zip(parents, tokens)], atol=1e-5)
+    for (toks, q), row, u, v in zip(asked, rows, parents, tokens):
+        assert np.allclose(row, logp[u], atol=1e-5) and q[v] == 1.0
+        assert toks[0] == v and toks[1:] == np.argsort(-logp[u])[:2].tolist()
+    with pytest.raises(ValueError, match="give `more`"):
+        strong.draft_chain(5, 3, h, sample=sample)
 
 
 def test_extend_chain_hangs_the_runners_up_beside_the_chain_as_leaves():
@@ -285,6 +312,30 @@ def test_path_probability_and_best_size_per_step():
     assert plan.keep.tolist() == [0] and plan.expected == 1.0
     # A table shorter than the tree caps the block.
     assert len(plan_verification(t, a, flat[:3], rate=0.0).keep) == 3
+
+
+def test_sampled_drafts_are_always_verified_and_survive_subtrees():
+    """Whether a sampled draft is verified must not depend on its token (min(1, p/q) would
+    no longer be lossless): the plan keeps it and its ancestors however unlikely, whatever
+    the price of time, and a subtree keeps its distribution under the new index."""
+    from treegraft_mlx.tree import plan_verification
+
+    t = small_tree()
+    q = np.full(20, 0.05)
+    t.proposal[4] = q                                   # node 4, below 1
+    a = np.array([1.0, 0.9, 0.2, 0.5, 0.01, 0.9, 0.8])
+    pricey = np.array([10.0, 25, 40, 55, 70, 85, 100])
+    plan = plan_verification(t, a, pricey, rate=0.1)
+    assert plan.keep.tolist() == [0, 1, 4]              # forced, nothing else worth a row
+    assert plan.expected == pytest.approx(1 + 0.9 + 0.009) and plan.step_ms == 40
+    flat = np.full(7, 10.0)
+    assert plan_verification(t, a, flat, rate=0.01).keep.tolist() == list(range(7))
+    with pytest.raises(ValueError, match="exceed"):
+        plan_verification(t, a, flat[:2], rate=0.0)
+    sub = t.subtree(np.array([0, 1, 3, 4]))
+    assert list(sub.proposal) == [3] and sub.proposal[3] is q
+    assert t.rerooted(1).proposal.keys() == {2} and t.copy().proposal == {4: q}
+    assert not t.subtree(np.array([0, 1, 2])).proposal
 
 
 def test_every_prefix_of_the_best_first_order_is_ancestor_closed():

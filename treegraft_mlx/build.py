@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional
 
+import numpy as np
+
 from .drafters import Drafter, Drafters, ModelDrafter
 from .family import TreeConfig
 from .history import History
@@ -67,13 +69,16 @@ class TreeBuild:
             todo = todo[k + 1:]
 
     def graft_chain(self, strong: ModelDrafter, k: int, cfg: TreeConfig, history: History,
-                    pays: Optional[Callable[[DraftTree, list[int]], bool]] = None) -> None:
+                    pays: Optional[Callable[[DraftTree, list[int]], bool]] = None,
+                    sample: Optional[Callable[[np.ndarray], tuple[int, np.ndarray]]] = None
+                    ) -> None:
         """The strong drafter drafts up to k tokens after the root, one row per forward (cheap
         where a tree-mask call over many nodes is not), grafted into the tree built so far.
         With `pays`, each token is grafted as it is drafted, with S's runners-up at its place
         as leaves (width the forward already paid for; the sizing verifies those worth a
         row), and the chain ends where `pays(tree, chain path)` says the next token is not
-        worth its forward."""
+        worth its forward; with `sample` as well, the chain's tokens are sampled drafts
+        (ModelDrafter.draft_chain), each kept with its distribution in `tree.proposal`."""
         cap = build_cap(cfg.top_k, max(k, cfg.depth))
         if pays is None:
             tokens, logps = strong.draft_chain(self.tree.token[0], k, history)
@@ -81,8 +86,9 @@ class TreeBuild:
         else:
             path = self.chain_path = [0]
             strong.draft_chain(self.tree.token[0], k, history,
-                               lambda toks, lps: extend_chain(self.tree, path, toks, lps, cap)
-                               and pays(self.tree, path))
+                               lambda toks, lps, q: extend_chain(self.tree, path, toks, lps,
+                                                                 cap, q)
+                               and pays(self.tree, path), sample)
         self.used.append(strong.name)
 
     @property

@@ -79,6 +79,11 @@ class KVCache:
         self.offset += n
         self.pending = 0
 
+    def rewindable(self, length: int) -> int:
+        """The longest committed length at most `length` that `reset` can return to: any
+        (a hybrid model's recurrent state cannot say the same, models/hybrid.py)."""
+        return length
+
     def reset(self, length: int = 0) -> None:
         """Truncate the committed context to `length` tokens."""
         if not 0 <= length <= self.offset:

@@ -40,7 +40,7 @@ from .drafters import Drafters
 from .family import TreeConfig
 from .history import History
 from .pricing import CallPolicy, Fallback, Sizer
-from .sampling import SamplerSettings, sample_token
+from .sampling import SamplerSettings, draw, host_probs, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
@@ -150,6 +150,11 @@ class Decoder:
         self.clock = session.family.clock
         if strategy.needs_strong and session.strong is None:
             raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+        if (strategy.combine_layers or strategy.learned) and getattr(family_strong(session),
+                                                                     "RECURRENT", False):
+            raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
+                             "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
+                             "draft, treegraft or chain")
         self.drafters = Drafters(session.ngram, session.strong if strategy.needs_strong else None)
         self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
         family = session.family
@@ -414,7 +419,8 @@ class Decoder:
         steady = self.drafters.strong.lag(history) <= self.calls.STEADY_LAG
         if called:
             build.graft_chain(self.drafters.strong, self.calls.MAX_CHAIN, cfg, history,
-                              self._chain_pays)
+                              self._chain_pays,
+                              None if self.settings.greedy else self._sampled_draft)
             # The chain's tokens are priced at their measured acceptance where that is higher.
             accept = sizer.accept(build.tree)
             nodes = build.chain_path[1:]
@@ -422,6 +428,13 @@ class Decoder:
                                        self.calls.chain_accept(build.chain_drafts()[1]))
             plan = sizer.plan(build.tree, history.committed, accept)
         return build, plan, (bucket, called) if steady or not called else None
+
+    def _sampled_draft(self, logp: np.ndarray) -> tuple[int, np.ndarray]:
+        """A chain token drawn from the drafter's distribution q under the target's sampler
+        settings, and q: verified by min(1, p/q), it is accepted with 1 - TV(p, q) instead of
+        the target's p of the drafter's argmax (docs/design.md §9.4)."""
+        q = host_probs(logp, self.settings)
+        return draw(q, self.rng), q
 
     def _chain_pays(self, tree: DraftTree, path: list[int]) -> bool:
         """Whether the strong drafter's chain (`path`, root first) should draft one more
@@ -517,6 +530,11 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
     acc = accept(tree, logits, settings, rng)
     block = commit(session, drafters, tree, logits, acc)
     return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
+
+
+def family_strong(session: Session):
+    """The strong drafter's model, or None."""
+    return session.strong.model if session.strong is not None else None
 
 
 def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:

@@ -81,9 +81,14 @@ def _quantize(model: Model, config: dict, weights: dict[str, mx.array]) -> Optio
     if not q or "bits" not in q:
         return None
 
+    overrides = {k: v for k, v in q.items() if isinstance(v, (dict, bool))}
+
     def predicate(p: str, m: nn.Module):
-        if p in q and isinstance(q[p], (dict, bool)):  # per-layer override, mlx_lm style
-            return q[p]
+        # A per-layer override, mlx_lm style, named as here or under a wrapper's prefix
+        # (mlx_lm keeps a Qwen 3.5 text model under `language_model.`).
+        for name in (p, f"language_model.{p}"):
+            if name in overrides:
+                return overrides[name]
         return hasattr(m, "to_quantized") and f"{p}.scales" in weights
 
     nn.quantize(model, group_size=q["group_size"], bits=q["bits"],
@@ -138,7 +143,7 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
     except TypeError as e:
         raise LoadError(f"{path / 'config.json'} lacks a required field: {e}") from None
     model = build_model(args)
-    weights = model.sanitize(_sanitize(read_weights(weight_files(path)), args))
+    weights = _sanitize(model.sanitize(read_weights(weight_files(path))), args)
     if stage is not None:
         stage.apply(model)
         weights = {stage.local_name(k): v for k, v in weights.items()
@@ -148,8 +153,8 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
 
     float_dtypes = [w.dtype for w in weights.values() if mx.issubdtype(w.dtype, mx.floating)]
     target = device.compute_dtype(float_dtypes[0] if float_dtypes else mx.float32, dtype)
-    weights = {k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
-               for k, v in weights.items()}
+    weights = {k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating)
+                   and not k.endswith(model.FULL_PRECISION) else v) for k, v in weights.items()}
     weight_bytes = sum(w.nbytes for w in weights.values())
     need = estimate_bytes(args, weight_bytes, context or args.max_position_embeddings, target,
                           len(model.model.layers))

@@ -438,6 +438,17 @@ def serve_stage(model, link: Link, stage: Stage) -> None:
             link.send(frame.pack(out), nxt, "a forward")
 
 
+def refuse_hybrid(path) -> None:
+    """A hybrid target's recurrent state would have to travel between ranks with every
+    tree step; not built, so it is refused before any rank connects."""
+    from .loading import read_config
+    from .models import build_class, model_args
+
+    if build_class(model_args(read_config(path))).RECURRENT:
+        raise PipelineError(f"{path}: --pipeline does not carry the recurrent state of a hybrid "
+                            "(linear-attention) model yet; run it in one process")
+
+
 def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
     """Rank 0: the family with its target split over the ranks (drafters stay here). Other
     ranks: load their stage, serve rank 0 until it stops, then return None."""
@@ -445,6 +456,7 @@ def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):
     from .loading import load_model
 
     path = target_dir(target_path_or_bundle)
+    refuse_hybrid(path)
     link, stages = connect(path)
     stage = stages[link.rank]
     try:

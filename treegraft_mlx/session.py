@@ -72,10 +72,10 @@ class Session:
 
         Afterwards history = prompt + [first token] (pending) and every drafter is in sync.
         """
-        keep = self.reusable(ids)
+        keep = self.cache.rewindable(self.reusable(ids))
         history = History(ids, capacity=len(ids) + 1024)
         if keep:
-            keep = history.inherit(self.history, keep)
+            keep = self.cache.rewindable(history.inherit(self.history, keep))
         self.cache.reset(keep)
         last = None
         for start in range(keep, len(ids), PREFILL_CHUNK):

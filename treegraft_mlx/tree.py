@@ -86,6 +86,9 @@ class DraftTree:
     proposers: list[int] = field(default_factory=list)    # NGRAM | STRONG bits
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     kids: dict[int, list[int]] = field(default_factory=dict)  # parent -> children, in order
+    # A sampled draft: node -> the distribution q its token was drawn from at its parent (the
+    # strong drafter's, when sampling); the target accepts it with min(1, p/q) (verify.py).
+    proposal: dict[int, np.ndarray] = field(default_factory=dict)
 
     NODE_FIELDS = ("token", "parent", "depth", "score", "match_len", "match_pos", "terminated",
                    "ngram_lp", "votes", "draft_lp", "draft_rank", "proposers")
@@ -119,7 +122,8 @@ class DraftTree:
     def copy(self) -> "DraftTree":
         """An independent copy (to try another way of building the rest of it)."""
         return DraftTree(*(list(getattr(self, f)) for f in self.NODE_FIELDS),
-                         dict(self.children), {p: list(c) for p, c in self.kids.items()})
+                         dict(self.children), {p: list(c) for p, c in self.kids.items()},
+                         dict(self.proposal))
 
     def child(self, parent: int, token: int) -> int:
         """Index of parent's child carrying `token`, or -1."""
@@ -170,6 +174,7 @@ class DraftTree:
                 getattr(t, f).append(v)
             if values[1] >= 0:
                 t._link(values[1], len(t) - 1)
+        t.proposal = {new_index[v]: q for v, q in self.proposal.items() if v in new_index}
         return t
 
     def rerooted(self, node: int) -> "DraftTree":
@@ -198,11 +203,12 @@ def graft_chain(tree: DraftTree, tokens: Sequence[int], logps: Sequence[float],
 
 
 def extend_chain(tree: DraftTree, path: list[int], tokens: Sequence[int],
-                 logps: Sequence[float], cap: int) -> bool:
+                 logps: Sequence[float], cap: int, proposal: Optional[np.ndarray] = None) -> bool:
     """Hang the chain's next token `tokens[0]` below its last node `path[-1]` and append it to
     `path`; S's runners-up there (`tokens[1:]`, best first) become leaves beside it. A token
     some drafter already proposed there is the same node and gains S's evidence; new nodes
-    are added while the tree has room (`cap` nodes). False when the chain's token had none."""
+    are added while the tree has room (`cap` nodes). With `proposal`, `tokens[0]` was drawn
+    from that distribution (a sampled draft). False when the chain's token had no room."""
     parent = path[-1]
     base = tree.score[path[0]] + sum(tree.draft_lp[v] for v in path[1:])  # S's path log-prob
     for rank, (tok, lp) in enumerate(zip(tokens, logps)):
@@ -214,6 +220,8 @@ def extend_chain(tree: DraftTree, path: list[int], tokens: Sequence[int],
         tree.draft_lp[node], tree.draft_rank[node] = float(lp), rank
         if rank == 0:
             path.append(node)
+            if proposal is not None:
+                tree.proposal[node] = proposal
     return True
 
 
@@ -293,13 +301,24 @@ def plan_verification(tree: DraftTree, accept: np.ndarray, step_ms: np.ndarray,
     set of every size, and each prefix is ancestor-closed since a child is never more probable
     than its parent. `rate` is the long-run tokens per ms: maximising E - rate * time per step
     maximises the long-run rate (a step that expects little is not made to look good by its
-    own ratio). S = {root} (an AR step) is always a candidate."""
+    own ratio). S = {root} (an AR step) is always a candidate.
+
+    Sampled drafts (`tree.proposal`) and their ancestors are always in S, first: whether one
+    is verified must not depend on the token drawn, or min(1, p/q) acceptance is no longer
+    lossless (docs/design.md §9.4)."""
     prob = path_probability(tree.parent, accept)
-    order = np.lexsort((np.arange(len(tree)), np.asarray(tree.depth), -prob))
+    forced = np.zeros(len(tree), dtype=bool)
+    forced[0] = True
+    for v in tree.proposal:
+        forced[path_to(tree.parent, v)] = True
+    order = np.lexsort((np.arange(len(tree)), np.asarray(tree.depth), -prob, ~forced))
+    lo = int(forced.sum())
+    if lo > len(step_ms):
+        raise ValueError(f"{lo} sampled drafts and ancestors exceed the {len(step_ms)} rows priced")
     order = order[:len(step_ms)]
     expected = np.cumsum(prob[order])
     ms = np.asarray(step_ms[:len(order)], dtype=np.float64)
-    n = int(np.argmax(expected - rate * ms)) + 1
+    n = lo + int(np.argmax((expected - rate * ms)[lo - 1:]))
     return Plan(np.sort(order[:n]), float(expected[n - 1]), float(ms[n - 1]))
 
 

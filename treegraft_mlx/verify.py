@@ -8,6 +8,13 @@ with probability exactly p(x) and otherwise draws the bonus from p: the same as 
 token y ~ p and following the child that carries y, if any. That is what runs, one draw per
 node on the accepted path, on the host: only the rows the walk visits leave the device. The
 output is therefore distributed exactly as the target's own samples.
+
+A sampled draft x (drawn from a drafter's distribution q, `DraftTree.proposal`) is tried
+first at its parent, as in speculative sampling: accepted with probability min(1, p(x)/q(x));
+on rejection the target's distribution becomes the residual max(p - q, 0), renormalised, and
+the deterministic siblings follow on it as above. The token committed at that position is
+then distributed exactly as p (the standard argument: min(p, q) from the draft, the rest from
+the residual), and x is accepted with probability 1 - TV(p, q) instead of p(x).
 """
 
 from __future__ import annotations
@@ -57,17 +64,33 @@ def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
 
 def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
                   rng: np.random.Generator) -> Acceptance:
-    """Draw the target's token at each node from the root down; follow the child that carries
-    it (exactly lossless, see the module docstring); the first draw no child carries is the
-    bonus."""
+    """Draw the target's token at each node from the root down (from the residual, after a
+    sampled draft there was tried and rejected); follow the child that carries it (exactly
+    lossless, see the module docstring); the first draw no child carries is the bonus."""
     node, path = 0, [0]
     while True:
-        y = draw(host_probs(np.array(logits[node].astype(mx.float32)), settings), rng)
+        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
+        sampled = next((c for c in tree.children_of(node) if c in tree.proposal), -1)
+        if sampled >= 0:
+            q, x = tree.proposal[sampled], tree.token[sampled]
+            if rng.random() * q[x] < p[x]:           # accepted with min(1, p(x) / q(x))
+                node = sampled
+                path.append(node)
+                continue
+            p = residual(p, q)
+        y = draw(p, rng)
         nxt = tree.child(node, y)
         if nxt < 0:
             return Acceptance(path, y)
         node = nxt
         path.append(node)
+
+
+def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """What the target still owes after rejecting a draft drawn from q: max(p - q, 0),
+    renormalised. It has mass wherever p > q, which a rejection implies (p(x) < q(x))."""
+    r = np.maximum(p - q, 0.0)
+    return r / r.sum()
 
 
 def accept(tree: DraftTree, logits: mx.array, settings: SamplerSettings,

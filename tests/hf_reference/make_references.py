@@ -2,7 +2,7 @@
 itself (its config.json and safetensors, transformers 5 format), with its own logits.
 
 Run once where torch and transformers are installed (not needed by the tests):
-    python tests/hf_reference/make_references.py
+    python tests/hf_reference/make_references.py [case ...]
 Each case: tests/hf_reference/<name>/{config.json, model.safetensors, logits.npz}.
 """
 
@@ -21,6 +21,8 @@ HERE = Path(__file__).parent
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=512, pad_token_id=2, bos_token_id=0, eos_token_id=1)
+HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=12, linear_conv_kernel_dim=4, tie_word_embeddings=False)
 CASES = {
     "llama3-rope": dict(model_type="llama", rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -56,6 +58,14 @@ CASES = {
                       moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
                       rope_parameters={"rope_type": "linear", "rope_theta": 1000000.0,
                                        "factor": 4.0}),
+    # Hybrids: 3 Gated DeltaNet layers, then one gated full-attention layer (partial rotary).
+    "qwen3_5": dict(model_type="qwen3_5_text", num_hidden_layers=4, **HYBRID, rope_parameters={
+        "rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", num_hidden_layers=4, **HYBRID,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, rope_parameters={
+                            "rope_type": "default", "rope_theta": 500000.0,
+                            "partial_rotary_factor": 0.25}),
 }
 INPUTS = {"short": list(range(3, 15)),
           "long": [int(t) for t in np.random.default_rng(0).integers(3, 290, size=40)]}
@@ -73,8 +83,10 @@ def randomize(model: torch.nn.Module, gemma: bool) -> None:
                 p.copy_(0.15 * noise)
 
 
-def main() -> None:
+def main(names=None) -> None:
     for name, spec in CASES.items():
+        if names and name not in names:
+            continue
         spec = dict(spec)
         model_type = spec.pop("model_type")
         config = AutoConfig.for_model(model_type, **{**COMMON, **spec})
@@ -96,4 +108,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

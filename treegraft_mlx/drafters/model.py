@@ -96,7 +96,7 @@ class ModelDrafter:
     def rewind(self, length: int) -> None:
         """The history was rewritten after `length` tokens: drop what the cache holds past it."""
         self.observe(None, 0)
-        self.cache.reset(min(self.cache.offset, length))
+        self.cache.reset(self.cache.rewindable(min(self.cache.offset, length)))
 
     def snapshot(self) -> Optional["StepState"]:
         """This step's state, to explore another branch and come back (calibration)."""
@@ -179,15 +179,22 @@ class ModelDrafter:
         return grafted if layer == 1 else grafted[:self.top_k]
 
     def draft_chain(self, root: int, k: int, history: History,
-                    more: Optional[Callable[[list[int], list[float]], bool]] = None
+                    more: Optional[Callable[[list[int], list[float], Optional[np.ndarray]],
+                                            bool]] = None,
+                    sample: Optional[Callable[[np.ndarray], tuple[int, np.ndarray]]] = None
                     ) -> tuple[list[int], list[float]]:
         """Up to k greedy tokens after the root and S's log-prob of each, one forward per token.
         Without `more`, all k forwards are queued on the device before one readback at the end
         (each argmax feeds the next forward lazily, as `mlx_lm`'s speculative decoding does).
         With `more`, each position's top_k tokens (best first) are read back as they are
-        drafted, and the chain ends where `more(tokens, logps)` says it no longer pays. The
+        drafted, and the chain ends where `more(tokens, logps, q)` says it no longer pays.
+        With `sample` too (sampled decoding), each chain token is drawn by `sample(log-probs
+        row)`, which returns it and the distribution q it came from (handed to `more`; the
+        drafter's top_k runners-up follow it), instead of being the argmax (q None). The
         chain's rows never outlive the call in S's cache; the accepted ones sync with the
         next call's prefix."""
+        if sample is not None and more is None:
+            raise ValueError("a sampled chain is read back token by token: give `more`")
         self.observe(history, 0)            # a layer call's tree rows, if any, are stale
         committed = history.committed
         block = mx.array([history.tokens[self.cache.offset:committed] + [root]])
@@ -204,12 +211,20 @@ class ModelDrafter:
                 lazy.append((tok, logits))
                 mx.async_eval(block)
                 continue
-            _, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), self.top_k)
+            logp, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), self.top_k)
             best = np.argsort(-top_lp[0], kind="stable")
-            ids.append(int(top_ids[0, best[0]]))
-            lps.append(float(top_lp[0, best[0]]))
+            toks, tok_lps, q = top_ids[0, best].tolist(), top_lp[0, best].tolist(), None
+            if sample is not None:
+                row = logp[0] if isinstance(logp, np.ndarray) else np.array(logp[0])
+                tok, q = sample(row)
+                at = toks.index(tok) if tok in toks else len(toks) - 1
+                del toks[at], tok_lps[at]
+                toks.insert(0, tok)
+                tok_lps.insert(0, float(row[tok]))
+            ids.append(toks[0])
+            lps.append(tok_lps[0])
             block = mx.array([[ids[-1]]])
-            if not more(top_ids[0, best].tolist(), top_lp[0, best].tolist()):
+            if not more(toks, tok_lps, q):
                 break
         if lazy:
             ids, lps = chain_logprobs(mx.stack([t for t, _ in lazy]),

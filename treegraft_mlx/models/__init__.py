@@ -1,7 +1,8 @@
 """Model architectures: which class reads a config and builds a model for each `model_type`.
 
 decoder.py: the Llama skeleton with per-family switches (llama, mistral, qwen2, qwen3, phi3,
-mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; rope.py and moe.py: their parts.
+mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; hybrid.py: Qwen 3.5 (Gated DeltaNet
+and gated attention, dense and MoE); rope.py and moe.py: their parts.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 from .decoder import FAMILY_DEFAULTS, Model, ModelArgs
 from .gemma import FAMILIES as GEMMA_FAMILIES
 from .gemma import GemmaArgs, GemmaModel
+from .hybrid import FAMILIES as HYBRID_FAMILIES
+from .hybrid import HybridArgs, HybridModel
 from .rope import legacy_keys
 
 ARCHITECTURES: dict[str, tuple[type, type]] = {
     **{t: (ModelArgs, Model) for t in FAMILY_DEFAULTS},
     **{t: (GemmaArgs, GemmaModel) for t in GEMMA_FAMILIES},
+    **{t: (HybridArgs, HybridModel) for t in HYBRID_FAMILIES},
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHITECTURES))
 
@@ -25,6 +29,11 @@ def model_args(config: dict) -> ModelArgs:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: "
                          f"{list(SUPPORTED_MODEL_TYPES)}")
     return ARCHITECTURES[model_type][0].from_config(config)
+
+
+def build_class(args: ModelArgs) -> type:
+    """The model class an architecture's args build."""
+    return ARCHITECTURES[args.model_type][1]
 
 
 def build_model(args: ModelArgs) -> Model:
@@ -52,5 +61,6 @@ def legacy_config(config: dict) -> dict:
     return out
 
 
-__all__ = ["Model", "ModelArgs", "SUPPORTED_MODEL_TYPES", "build_model", "legacy_config",
+__all__ = ["Model", "ModelArgs", "SUPPORTED_MODEL_TYPES", "build_class", "build_model",
+           "legacy_config",
            "model_args"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,11 +145,17 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions: Positions, mask, cache: Optional[KVCache], layer: int,
                  first_key: int = 0):
-        B, L, _ = x.shape
         if "qkv_proj" in self:
             q, k, v = mx.split(self.qkv_proj(x), self.splits, axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(self.attend(q, k, v, positions, mask, cache, layer, first_key))
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, positions: Positions, mask,
+               cache: Optional[KVCache], layer: int, first_key: int = 0) -> mx.array:
+        """Attention of projected queries, keys and values (B, L, ...): norms, RoPE, the
+        cache, the tree mask; (B, L, heads x head_dim), before the output projection."""
+        B, L = q.shape[:2]
         q = q.reshape(B, L, self.n_heads, -1)
         k = k.reshape(B, L, self.n_kv_heads, -1)
         v = v.reshape(B, L, self.n_kv_heads, -1)
@@ -162,7 +168,7 @@ class Attention(nn.Module):
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
         out = tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
 
 
 class MLP(nn.Module):
@@ -222,6 +228,8 @@ class Model(nn.Module):
 
     BLOCK: ClassVar[type] = Block
     NORM: ClassVar[type] = nn.RMSNorm
+    RECURRENT: ClassVar[bool] = False   # layers carry a state a cache cannot truncate
+    FULL_PRECISION: ClassVar[tuple[str, ...]] = ()   # weights (name endings) never cast down
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -286,6 +294,12 @@ class Model(nn.Module):
             dtype = self.model.norm.weight.dtype
         return KVCache(len(self.model.layers), a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
+
+    @classmethod
+    def checkpoint_names(cls, weights: dict, halves: Optional[Callable] = None) -> dict:
+        """A checkpoint's tensors (or header shapes: `halves` splits a fused pair) under this
+        model's names, before experts are stacked: the same here."""
+        return weights
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint names -> this model's: per-expert tensors stacked (see moe.py)."""

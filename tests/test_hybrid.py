@@ -1,0 +1,305 @@
+"""Qwen 3.5 hybrids (Gated DeltaNet + gated attention): logits against transformers' own tiny
+checkpoints (tests/hf_reference/qwen3_5*), tree verification over the recurrent state, and
+speculative decoding token-identical to `ar` across turns, rewinds and stop strings."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from checkpoints import write_tokenizer
+from treegraft_mlx import generate, load
+from treegraft_mlx.loading import load_model
+from treegraft_mlx.session import Session
+from treegraft_mlx.tree import DraftTree, attention_mask, path_to, positions
+from treegraft_mlx.verify import verify
+
+REFERENCES = Path(__file__).parent / "hf_reference"
+HYBRIDS = ["qwen3_5", "qwen3_5_moe"]
+TOL = 1e-4   # the issue's bound: transformers runs the delta rule chunked, in another order
+PROMPT = "def add(a, b):\n    return a + b\nclass Foo:\n    pass\nfor i in range(10):\n"
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def checkpoint(request, tmp_path_factory) -> Path:
+    dest = tmp_path_factory.mktemp(request.param) / request.param
+    shutil.copytree(REFERENCES / request.param, dest)
+    write_tokenizer(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> Path:
+    """The dense hybrid alone, for the slow tests whose subject is not the experts."""
+    dest = tmp_path_factory.mktemp("dense") / "qwen3_5"
+    shutil.copytree(REFERENCES / "qwen3_5", dest)
+    write_tokenizer(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return load_model(checkpoint)[0]
+
+
+def test_prefill_and_cached_decode_match_transformers(model, checkpoint):
+    ref = np.load(checkpoint / "logits.npz")
+    for key in ("short", "long"):
+        ids = ref[f"ids_{key}"].tolist()
+        assert relative_error(model(mx.array([ids]))[0], ref[key]) < TOL, key
+        cache, rows = model.make_cache(), []
+        for tok in ids:                                      # one token at a time
+            rows.append(np.array(model(mx.array([[tok]]), cache=cache)[0, -1]))
+            cache.commit()
+        assert relative_error(np.stack(rows), ref[key]) < TOL, key
+
+
+def random_tree(rng: np.random.Generator, nodes: int, vocab: int) -> DraftTree:
+    tree = DraftTree.rooted_at(int(rng.integers(3, vocab)))
+    while len(tree) < nodes:           # parents among the latest nodes: deep paths, siblings
+        tree.add(int(rng.integers(max(0, len(tree) - 3), len(tree))),
+                 int(rng.integers(3, vocab)), 0.0)
+    return tree
+
+
+def test_every_tree_row_sees_its_own_paths_state(model, checkpoint):
+    """One forward over a tree after a committed prefix gives every node the logits of a
+    plain forward over prefix + its root-to-node path (longer paths than the convolution
+    window included); keeping a path commits exactly that path's state."""
+    ref = np.load(checkpoint / "logits.npz")
+    prefix = ref["ids_long"].tolist()[:20]
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    for trial in range(3):
+        tree = random_tree(rng, 14, vocab)
+        assert max(tree.depth) > model.args.linear_conv_kernel_dim
+        cache = model.make_cache()
+        model(mx.array([prefix]), cache=cache)
+        cache.commit()
+        got = np.array(verify(model, cache, tree))
+        for v in range(len(tree)):
+            plain = model(mx.array([prefix + tree.path_tokens(v)]))[0, -1]
+            assert relative_error(got[v], np.array(plain)) < TOL, (trial, v)
+        leaf = max(range(len(tree)), key=lambda v: tree.depth[v])
+        path = path_to(tree.parent, leaf)
+        cache.keep(path)
+        nxt = int(rng.integers(3, vocab))
+        after = model(mx.array([[nxt]]), cache=cache)[0, -1]
+        plain = model(mx.array([prefix + tree.path_tokens(leaf) + [nxt]]))[0, -1]
+        assert relative_error(np.array(after), np.array(plain)) < TOL
+
+
+def test_a_kept_row_must_be_a_path_and_rewinds_go_where_states_were_kept(model):
+    cache = model.make_cache()
+    tree = DraftTree.rooted_at(5)
+    a = tree.add(0, 6, 0.0)
+    tree.add(0, 7, 0.0)
+    model(mx.array([list(range(3, 13))]), cache=cache)
+    cache.commit()
+    model(mx.array([tree.token]), cache=cache, positions=positions(tree.parent, 10),
+          mask=attention_mask(tree.parent, 10))
+    with pytest.raises(ValueError, match="not a path"):
+        cache.keep([0, a, 2])
+    cache.keep([0, a])
+    assert cache.offset == 12 and cache.rewindable(11) == 11 and cache.rewindable(10) == 10
+    assert cache.rewindable(5) == 0           # inside the first block: not kept
+    with pytest.raises(ValueError, match="cannot be rewound to 5"):
+        cache.reset(5)
+    cache.reset(11)                           # back to the state after token 5 ...
+    again = model(mx.array([[6]]), cache=cache)[0, -1]
+    plain = model(mx.array([list(range(3, 13)) + [5, 6]]))[0, -1]
+    assert relative_error(np.array(again), np.array(plain)) < TOL   # ... which is exact
+
+
+def test_tree_decoding_is_token_identical_to_ar(checkpoint):
+    """The model drafting for itself (a hybrid target and a hybrid drafter), past the
+    convolution window, per-step sizing and a fixed tree: every strategy equals `ar`."""
+    family = load(checkpoint, drafters=[checkpoint], warmup=False)
+    ar = generate(family, PROMPT, "ar", max_tokens=40)
+    assert len(ar.token_ids) >= 10
+    fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
+    for strategy in ("ngram", "draft", "treegraft", "chain:3"):
+        for tree in (family.tree, fixed):
+            out = generate(family, PROMPT, strategy, max_tokens=40, tree=tree)
+            assert out.token_ids == ar.token_ids, (strategy, tree.adaptive)
+    assert max(s.accepted for s in out.step_stats) >= 2     # trees committed several tokens
+
+
+def test_turns_reuse_the_prefix_and_stop_inside_a_block(checkpoint):
+    """A session over several turns (prefix reuse rewinds the recurrent state to a kept
+    length and prefills the rest) and a stop string inside an accepted block give what fresh
+    `ar` generations give."""
+    family = load(checkpoint, drafters=[checkpoint], warmup=False)
+    session = Session(family, family.tree)
+    text = PROMPT
+    for turn in range(3):
+        want = generate(family, text, "ar", max_tokens=24)
+        got = generate(family, text, "treegraft", max_tokens=24, session=session)
+        assert got.token_ids == want.token_ids, turn
+        text = text + got.text + "\nfor j in range(3):\n"
+    full = generate(family, PROMPT, "ar", max_tokens=30).text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    want = generate(family, PROMPT, "ar", max_tokens=30, stop=[stop])
+    got = generate(family, PROMPT, "ngram", max_tokens=30, stop=[stop], session=session)
+    assert got.text == want.text and stop not in got.text
+    again = generate(family, PROMPT + got.text, "treegraft", max_tokens=12, session=session)
+    assert again.token_ids == generate(family, PROMPT + got.text, "ar", max_tokens=12).token_ids
+
+
+def as_mlx_lm_reads_it(src: Path, dest: Path) -> Path:
+    """The checkpoint as the Qwen 3.5 releases store it and `mlx_lm` reads it: named by its
+    multimodal type, RoPE settings in `rope_parameters` (mlx_lm reads them nowhere else) and
+    each layer's experts fused into `experts.gate_up_proj` / `experts.down_proj`."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["model_type"] = config["model_type"].removesuffix("_text")
+    (dest / "config.json").write_text(json.dumps(config))
+    weights = load_file(dest / "model.safetensors")
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if f"{prefix}.0.gate_proj.weight" not in weights:
+            continue
+        e = range(config["num_experts"])
+        gate_up = [np.concatenate([weights.pop(f"{prefix}.{i}.gate_proj.weight"),
+                                   weights.pop(f"{prefix}.{i}.up_proj.weight")]) for i in e]
+        weights[f"{prefix}.gate_up_proj"] = np.stack(gate_up)
+        weights[f"{prefix}.down_proj"] = np.stack([weights.pop(f"{prefix}.{i}.down_proj.weight")
+                                                   for i in e])
+    save_file(weights, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_logits_match_mlx_lm_as_released_and_as_mlx_lm_converts(checkpoint, tmp_path):
+    """On the same weights, `mlx_lm`'s classes and ours agree (fused experts read alike), and
+    a directory `mlx_lm` converted and quantized loads in ours as in its own."""
+    import mlx_lm
+
+    ids = mx.array([np.load(checkpoint / "logits.npz")["ids_long"].tolist()])
+    released = as_mlx_lm_reads_it(checkpoint, tmp_path / "released")
+    ours, theirs = load_model(released)[0], mlx_lm.load(str(released))[0]
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-5
+    mlx_lm.convert(str(released), mlx_path=str(tmp_path / "q4"), quantize=True, q_bits=4,
+                   q_group_size=32)
+    ours, theirs = load_model(tmp_path / "q4")[0], mlx_lm.load(str(tmp_path / "q4"))[0]
+    theirs.set_dtype(mx.float32)
+    assert ours.quantization["bits"] == 4
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
+
+
+def test_a_multimodal_checkpoint_is_read_for_its_text_model(checkpoint, tmp_path):
+    """`text_config` nesting and `model.language_model.` names: the same logits, and one
+    warning naming the vision weights left out."""
+    from safetensors.numpy import load_file, save_file
+
+    dest = tmp_path / "vl"
+    shutil.copytree(checkpoint, dest)
+    text = json.loads((dest / "config.json").read_text())
+    kind = text["model_type"].removesuffix("_text")
+    (dest / "config.json").write_text(json.dumps({"model_type": kind, "text_config": text,
+                                                  "vision_config": {"depth": 1}}))
+    weights = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(dest / "model.safetensors").items()}
+    weights["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    save_file(weights, str(dest / "model.safetensors"))
+    with pytest.warns(UserWarning, match="1 vision weights left out"):
+        model = load_model(dest)[0]
+    ref = np.load(checkpoint / "logits.npz")
+    assert relative_error(model(mx.array([ref["ids_short"].tolist()]))[0], ref["short"]) < TOL
+
+
+def test_the_converter_reads_released_checkpoints_and_keeps_what_it_must(checkpoint, tmp_path):
+    """`treegraft convert` on the released layout (fused experts, an MTP head): the same
+    logits; cast to bf16, the decay parameters stay fp32 and the MTP head's tensors are
+    carried into the bundle (left out on load); quantized to 4 bits, `mlx_lm` reads the
+    bundle as ours does."""
+    import mlx_lm
+    from safetensors.numpy import load_file, save_file
+    from treegraft_mlx.convert.bundle import QuantSpec, convert_family
+
+    src = as_mlx_lm_reads_it(checkpoint, tmp_path / "released")
+    weights = load_file(src / "model.safetensors")
+    weights["mtp.fc.weight"] = np.zeros((64, 128), np.float32)
+    save_file(weights, str(src / "model.safetensors"))
+    ref = np.load(checkpoint / "logits.npz")
+    ids = mx.array([ref["ids_long"].tolist()])
+    quiet = dict(log=lambda line: None)
+    plain = convert_family(str(src), [], str(tmp_path / "fp32"), **quiet) / "target"
+    assert relative_error(load_model(plain)[0](ids)[0], ref["long"]) < TOL
+    bf16 = convert_family(str(src), [], str(tmp_path / "bf16"), dtype="bfloat16", **quiet)
+    stored = mx.load(str(next((bf16 / "target").glob("*.safetensors"))))
+    assert stored["model.layers.0.linear_attn.A_log"].dtype == mx.float32
+    assert stored["model.layers.0.linear_attn.in_proj_qkv.weight"].dtype == mx.bfloat16
+    assert "mtp.fc.weight" in stored
+    model = load_model(bf16 / "target", dtype=mx.bfloat16)[0]
+    assert model.model.layers[0].linear_attn.A_log.dtype == mx.float32
+    q4 = convert_family(str(src), [], str(tmp_path / "q4"), quant=QuantSpec(4, 32),
+                        **quiet) / "target"
+    ours, theirs = load_model(q4)[0], mlx_lm.load(str(q4))[0]
+    theirs.set_dtype(mx.float32)
+    assert ours.quantization["bits"] == 4
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
+
+
+def exact_pair_distribution(model, ids: list[int], settings) -> dict:
+    """P(t1, t2) under the processed target distribution, from plain forwards."""
+    from treegraft_mlx.sampling import target_probs
+
+    p1 = np.array(target_probs(model(mx.array([ids]))[0, -1], settings), dtype=np.float64)
+    pairs = {}
+    for t1 in np.flatnonzero(p1):
+        p2 = np.array(target_probs(model(mx.array([ids + [int(t1)]]))[0, -1], settings),
+                      dtype=np.float64)
+        for t2 in np.flatnonzero(p2):
+            pairs[(int(t1), int(t2))] = p1[t1] * p2[t2]
+    return pairs
+
+
+@pytest.mark.parametrize("strategy", ["draft", "treegraft"])   # n-gram drafts: none at token 2
+def test_sampling_on_a_hybrid_is_lossless(dense, strategy, monkeypatch):
+    """The first two sampled tokens (the second through tree acceptance over the recurrent
+    state; the drafter called on every step, its chain sampled) follow the target's
+    distribution: chi-square over 400 seeds, alpha 0.001. Measured power: test_lossless's
+    `follows_the_argmax` injected gives chi-square 501 in both cases."""
+    from treegraft_mlx.pricing import CallPolicy
+    from treegraft_mlx.sampling import SamplerSettings
+
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+
+    family = load(dense, drafters=[dense], warmup=False)
+    settings = SamplerSettings(temp=1.5, top_k=3)
+    ids = family.tokenizer.encode(PROMPT)
+    exact = exact_pair_distribution(family.target, ids, settings)
+    keys = sorted(exact)
+    counts = np.zeros(len(keys))
+    session = Session(family, family.tree)
+    for seed in range(400):
+        out = generate(family, ids, strategy, max_tokens=2, temp=1.5, top_k=3, seed=seed,
+                       session=session)
+        counts[keys.index(tuple(out.token_ids))] += 1
+    probs = np.array([exact[k] for k in keys])
+    expected = probs * counts.sum()
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert len(keys) == 9 and chi2 < 26.12          # df 8, alpha 0.001
+
+
+def test_pipeline_refuses_a_hybrid_target(checkpoint):
+    from treegraft_mlx.pipeline import PipelineError, refuse_hybrid
+
+    with pytest.raises(PipelineError, match="recurrent state"):
+        refuse_hybrid(checkpoint)
+
+
+def test_tree_mask_calls_of_a_hybrid_drafter_are_a_clear_error(checkpoint):
+    family = load(checkpoint, drafters=[checkpoint], warmup=False)
+    with pytest.raises(ValueError, match="hybrid"):
+        generate(family, PROMPT, "treegraft-fixed:1", max_tokens=4)
