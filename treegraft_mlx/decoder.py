@@ -452,7 +452,8 @@ class Decoder:
         step = tree_step(self.session, self.drafters, tree, rows, self.settings, self.rng,
                          self.clock)
         stats.accepted = len(step.acceptance.path) - 1
-        self.sources += [SOURCES[tree.proposers[v]] for v in step.acceptance.path[1:]] + [TARGET]
+        drafted = step.acceptance.path[1:]
+        self.sources += [SOURCES[tree.drafted_by[v]] for v in drafted] + [TARGET]
         stats.t_verify, stats.t_accept = step.t_verify, step.t_accept
         self._record(stats)
         return step.block, step.acceptance
