@@ -1,22 +1,26 @@
 """The OpenAI-compatible server, exercised over real HTTP on 127.0.0.1; stop strings through
-`generate.stream`, the library and the server."""
+`generate.stream`, the library and the server; the chat page's files and the server's
+hardening (oversized bodies, disconnects, the queue bound, timeouts, the API key)."""
 
 import http.client
 import json
 import random
+import re
 import string
 import threading
 from typing import Iterator, Optional
 
 import pytest
 from scripted import deterministic
+from serving import (events, open_stream, post, read_events, reply_to, request, running,
+                     status_of, streamed)
 from click.testing import CliRunner
 
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import server as server_mod
 from treegraft_mlx.cli import main
 from treegraft_mlx.generate import chat_prompt, encode_prompt, stream
-from treegraft_mlx.server import ServerConfig, make_server
+from treegraft_mlx.server import is_loopback
 
 PROMPT = "def parse_header(line):\n    \"\"\"Split a header line into name and value.\"\"\"\n"
 REPETITIVE = "a = 1\nb = 2\n" * 8   # the n-gram drafter accepts several tokens per step here
@@ -30,46 +34,8 @@ def family():
 
 @pytest.fixture(scope="module")
 def server(family):
-    srv = make_server(family, "127.0.0.1", 0, ServerConfig(max_tokens_limit=LIMIT, max_body_bytes=4096))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-
-
-def request(server, method, path, body=None, raw=None, timeout: float = 120):
-    conn = http.client.HTTPConnection("127.0.0.1", server.server_port, timeout=timeout)
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    return resp.status, resp.getheader("Content-Type"), payload
-
-
-def post(server, body: dict, path: str = "/v1/completions", timeout: float = 120) -> tuple[int, dict]:
-    """Status and JSON reply of a non-streamed request."""
-    status, _, payload = request(server, "POST", path, body, timeout=timeout)
-    return status, json.loads(payload)
-
-
-def events(payload: bytes) -> list[str]:
-    """The `data:` fields of a server-sent event stream."""
-    return [e[6:] for e in payload.decode().split("\n\n") if e.startswith("data: ")]
-
-
-def streamed(server, body: dict, path: str = "/v1/completions") -> tuple[str, list[dict]]:
-    """Concatenated text of a streamed request (ending in [DONE]) and its chunks."""
-    status, ctype, payload = request(server, "POST", path, {**body, "stream": True})
-    assert status == 200 and ctype.startswith("text/event-stream"), payload
-    data = events(payload)
-    assert data[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in data[:-1]]
-    chat = path.endswith("chat/completions")
-    text = "".join(c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
-                   for c in chunks)
-    return text, chunks
+    with running(family, max_tokens_limit=LIMIT, max_body_bytes=4096) as srv:
+        yield srv
 
 
 def text_of(reply: dict) -> str:
@@ -407,3 +373,209 @@ def test_error_before_any_output_is_a_json_500(server, monkeypatch, stream_it):
     monkeypatch.setattr(server_mod, "stream_generate", failing_after(0, RuntimeError("boom")))
     status, out = post(server, {"prompt": PROMPT, "max_tokens": 8, "stream": stream_it}, timeout=30)
     assert status == 500 and "RuntimeError: boom" in out["error"]["message"]
+
+
+# --- the stream's provenance extension ----------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_chunks_carry_their_texts_provenance(server, path):
+    """Each chunk's `treegraft.provenance` runs make up exactly its text; on repetitive text
+    the n-gram drafter's accepted drafts are named; the running counts grow and end at the
+    usage's (the OpenAI fields of every chunk are as before: the earlier tests)."""
+    chat = path.endswith("chat/completions")
+    body = {"max_tokens": 24, "strategy": "ngram", **(
+        {"messages": [{"role": "user", "content": REPETITIVE}]} if chat else {"prompt": REPETITIVE})}
+    _, chunks = streamed(server, body, path)
+    for c in chunks:
+        piece = c["choices"][0]["delta"]["content"] if chat else c["choices"][0]["text"]
+        assert "".join(t for t, _ in c["treegraft"]["provenance"]) == piece
+    sources = {src for c in chunks for _, src in c["treegraft"]["provenance"]}
+    assert {"ngram", "target"} <= sources <= {"ngram", "target"}
+    tokens = [c["treegraft"]["tokens"] for c in chunks]
+    assert tokens == sorted(tokens) and tokens[-1] == chunks[-1]["usage"]["completion_tokens"]
+    assert chunks[-1]["treegraft"]["steps"] == chunks[-1]["usage"]["speculative"]["steps"]
+
+
+# --- the chat page ------------------------------------------------------------------------
+
+def test_the_chat_page_and_its_files_are_served_strictly(server):
+    """/ is the page with a strict Content-Security-Policy; it uses no inline script, style
+    or handler and only files under /static/, each served with its content type; our own
+    files point nowhere outside the server; nothing else is served (no path escapes)."""
+    status, ctype, page, resp = request(server, "GET", "/", full=True)
+    assert status == 200 and ctype == "text/html; charset=utf-8"
+    csp = resp.getheader("Content-Security-Policy")
+    assert "default-src 'none'" in csp and "script-src 'self';" in csp and "unsafe" not in csp
+    assert "img-src 'self' data:;" in csp and resp.getheader("X-Content-Type-Options") == "nosniff"
+    html = page.decode()
+    assert not re.search(r"<script(?![^>]*\bsrc=)|<style|\sstyle=|\son\w+=", html)
+    refs = [r for r in re.findall(r'(?:src|href)="([^"]+)"', html) if r != "data:,"]
+    types = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+    assert len(refs) == 6
+    for ref in refs:
+        status, ctype, payload = request(server, "GET", ref)
+        assert ref.startswith("/static/") and status == 200 and payload, ref
+        assert ctype == types[ref[ref.rfind("."):]], ref
+    assert request(server, "GET", "/static/index.html")[2] == page
+    for own in ("/", "/static/app.js", "/static/style.css"):
+        assert not re.search(rb"https?://", request(server, "GET", own)[2]), own
+    assert request(server, "GET", "/static/vendor/purify.LICENSE")[1] == "text/plain; charset=utf-8"
+    for path in ("/static/nothing.js", "/static/../server.py", "/static/%2e%2e/server.py",
+                 "/static/vendor", "/index.html"):
+        assert request(server, "GET", path)[0] == 404, path
+
+
+def test_config_reports_the_servers_defaults_and_strategies(server):
+    """GET /treegraft/config: what the page shows as defaults, and strategies it can pick,
+    each of which the server runs."""
+    status, _, payload = request(server, "GET", "/treegraft/config")
+    assert status == 200 and json.loads(payload) == {
+        "model": "tg-tiny", "strategy": "treegraft",
+        "strategies": ["ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned"],
+        "max_tokens": LIMIT, "max_tokens_limit": LIMIT, "temperature": 0.0, "top_p": 1.0,
+        "api_key_required": False}
+    for strategy in json.loads(payload)["strategies"]:
+        assert post(server, {"prompt": "x", "max_tokens": 2, "strategy": strategy})[0] == 200
+
+
+# --- hardening ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [5 << 20, 24 << 20])
+def test_an_oversized_body_gets_a_413_the_client_reads(server, size):
+    """A client that sends its whole body before reading (http.client does) gets the 413,
+    not a broken pipe: the server reads and drops the body (up to the drain cap)."""
+    status, ctype, payload = request(server, "POST", "/v1/completions", raw=b"x" * size, timeout=60)
+    assert status == 413 and ctype == "application/json"
+    assert f"{size} bytes exceeds 4096" in json.loads(payload)["error"]["message"]
+
+
+def test_a_body_past_the_drain_cap_is_answered_then_closed_cleanly(family):
+    """Past the drain cap the 413 goes out at once and the connection closes lingering, so
+    a client still sending its body reads the reply instead of a reset."""
+    with running(family, max_body_bytes=4096, drain_bytes=1 << 20) as srv:
+        status, _, payload = request(srv, "POST", "/v1/completions", raw=b"x" * (8 << 20),
+                                     timeout=60)
+    assert status == 413 and "8388608 bytes" in json.loads(payload)["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_ends_its_generation(family):
+    """The generation of a client that goes away after two chunks ends at the next step, far
+    short of its max_tokens, and is counted as disconnected; the next request is served
+    once that step is done (it waits for the lock); after it nothing runs (steps stay put)."""
+    limit = 1024
+    with running(family, max_tokens_limit=limit) as srv:
+        sock = open_stream(srv.server_port, {"prompt": PROMPT, "max_tokens": limit,
+                                             "strategy": "ar"})
+        read_events(sock, 2)
+        sock.close()
+        status, out = post(srv, {"prompt": "x", "max_tokens": 2}, timeout=60)
+        after = status_of(srv)
+        assert status_of(srv) == after
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    assert after["finished"] == {"disconnected": 1, "length": 1} and not after["busy"]
+    aborted = after["tokens"] - 2
+    assert 2 <= aborted < limit // 4, aborted
+
+
+def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypatch):
+    """With one generation running (held at a gate) and max_queue requests waiting, one more
+    is refused at once, streamed or not: 503, Retry-After and an OpenAI-style error; the
+    others are served once the gate opens."""
+    gate, real = threading.Event(), server_mod.stream_generate
+
+    def gated(*args, **kwargs):
+        gate.wait(timeout=60)
+        yield from real(*args, **kwargs)
+
+    monkeypatch.setattr(server_mod, "stream_generate", gated)
+    body = {"prompt": PROMPT, "max_tokens": 3}
+    results: dict[int, tuple] = {}
+    with running(family, max_tokens_limit=LIMIT, max_queue=2) as srv:
+        gen = srv.generator
+        clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
+                   for i in range(3)]
+        for t in clients:
+            t.start()
+        with gen.changed:
+            assert gen.changed.wait_for(lambda: gen.busy and gen.admitted == 3, timeout=60)
+        assert status_of(srv)["queued"] == 2 and status_of(srv)["busy"]
+        for stream_it in (False, True):
+            status, ctype, payload, resp = request(srv, "POST", "/v1/completions",
+                                                   {**body, "stream": stream_it},
+                                                   timeout=10, full=True)
+            assert status == 503 and ctype == "application/json"
+            assert resp.getheader("Retry-After") == "1"
+            err = json.loads(payload)["error"]
+            assert "busy: 2 requests already wait" in err["message"] and err["code"] == 503
+        gate.set()
+        for t in clients:
+            t.join(timeout=120)
+    assert [results[i][0] for i in range(3)] == [200] * 3
+
+
+def test_a_stalled_client_is_dropped_after_the_timeout(family):
+    """--timeout: a connection that sends nothing or half its headers is dropped; one whose
+    body stalls gets a 408 first; the server serves others all the while."""
+    with running(family, timeout=0.5) as srv:
+        assert reply_to(srv.server_port, b"") == b""
+        assert reply_to(srv.server_port, b"POST /v1/completions HTTP/1.1\r\nContent-Le") == b""
+        stalled = reply_to(srv.server_port, b"POST /v1/completions HTTP/1.1\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        assert stalled.startswith(b"HTTP/1.1 408") and b"stalled for 0.5 s" in stalled
+        assert request(srv, "GET", "/v1/models")[0] == 200
+
+
+def test_an_api_key_guards_the_api_but_not_the_page(family):
+    """--api-key: /v1/* and /treegraft/* answer 401 (JSON, WWW-Authenticate) without the
+    bearer key or with a wrong one, and as usual with it; the page loads without it."""
+    key = {"Authorization": "Bearer sekret"}
+    with running(family, max_tokens_limit=LIMIT, api_key="sekret") as srv:
+        assert request(srv, "GET", "/")[0] == 200 and request(srv, "GET", "/static/app.js")[0] == 200
+        for method, path, body in [("GET", "/v1/models", None), ("GET", "/treegraft/status", None),
+                                   ("GET", "/treegraft/config", None),
+                                   ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})]:
+            for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+                status, _, payload, resp = request(srv, method, path, body, headers=headers,
+                                                   full=True)
+                assert status == 401 and resp.getheader("WWW-Authenticate") == "Bearer", path
+                assert json.loads(payload)["error"]["type"] == "authentication_error"
+            assert request(srv, method, path, body, headers=key)[0] == 200, path
+        assert json.loads(request(srv, "GET", "/treegraft/config", headers=key)[2])[
+            "api_key_required"] is True
+
+
+class IdleServer:
+    """What `serve` gets from make_server in the flag test: returns at once."""
+
+    server_port = 8080
+
+    def serve_forever(self) -> None:
+        pass
+
+    def server_close(self) -> None:
+        pass
+
+
+def test_serve_flags_and_the_warning_without_a_key_off_loopback(monkeypatch):
+    """`serve` passes --max-queue, --timeout and --api-key (or TREEGRAFT_API_KEY) to the
+    server, and warns that there is no authentication only when it binds beyond loopback
+    without a key."""
+    made = []
+    monkeypatch.setattr(server_mod, "make_server",
+                        lambda family, host, port, config: made.append(config) or IdleServer())
+    monkeypatch.delenv("TREEGRAFT_API_KEY", raising=False)
+
+    def serve(*args, env=None) -> str:
+        out = CliRunner().invoke(main, ["serve", "--no-autotune", *args], env=env)
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    assert "no authentication" in serve("--host", "0.0.0.0", "--max-queue", "3", "--timeout", "7")
+    assert (made[-1].max_queue, made[-1].timeout, made[-1].api_key) == (3, 7.0, None)
+    assert "no authentication" not in serve("--host", "0.0.0.0", env={"TREEGRAFT_API_KEY": "k"})
+    assert made[-1].api_key == "k"
+    assert "no authentication" not in serve("--host", "127.0.0.1")
+    assert "no authentication" not in serve("--host", "::", "--api-key", "k2")
+    assert made[-1].api_key == "k2"
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.3.0.1", "::1", "localhost")] == [True] * 4
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "", "::", "192.168.1.2", "example.com"))

@@ -6,8 +6,9 @@ import pytest
 
 from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
-from treegraft_mlx.tree import (DraftTree, ancestor_mask, attention_mask, build_cap, depths,
-                                extend_chain, graft_chain, path_to, positions, prune)
+from treegraft_mlx.tree import (NGRAM, STRONG, DraftTree, ancestor_mask, attention_mask,
+                                build_cap, depths, extend_chain, graft_chain, path_to, positions,
+                                prune)
 
 
 def small_tree() -> DraftTree:
@@ -68,6 +69,23 @@ def test_add_merges_existing_child_with_max_score():
     assert len(t) == n
 
 
+def test_drafted_by_is_kept_merged_and_travels_with_the_nodes():
+    """Which drafters proposed a node: a second drafter proposing the same token ORs its bit
+    in, and copies, subtrees and re-rooted trees keep every node's bits."""
+    t = DraftTree.rooted_at(100)
+    a = t.add(0, 11, -1.0, by=NGRAM)
+    b = t.add(a, 12, -2.0, by=STRONG)
+    assert t.drafted_by == [0, NGRAM, STRONG]
+    assert t.add(0, 11, -0.5, by=STRONG) == a and t.drafted_by[a] == NGRAM | STRONG
+    assert t.add(a, 12, -3.0, by=STRONG) == b and t.drafted_by[b] == STRONG
+    assert t.copy().drafted_by == t.drafted_by
+    assert t.subtree(np.array([0, 1, 2])).drafted_by == t.drafted_by
+    assert t.rerooted(a).drafted_by == [NGRAM | STRONG, STRONG]
+    path = [0]
+    assert extend_chain(t, path, [12, 13], [-0.1, -2.0], cap=10)   # S's chain: STRONG
+    assert t.drafted_by[path[1]] == STRONG and t.drafted_by[t.child(0, 13)] == STRONG
+
+
 def test_ngram_index_incremental_equals_rebuilt():
     rng = np.random.default_rng(0)
     tokens = [int(x) for x in rng.integers(0, 6, size=300)]
@@ -109,6 +127,7 @@ def test_ngram_layer_chains_scores_and_termination():
     assert t.score[first4] == -14.0                      # the score of 4 after position 3
     assert t.score[t.child(first7, 8)] == float("-inf")  # deeper chain tokens are unscored
     assert len(t) <= build_cap(2, 5)
+    assert t.drafted_by[1:] == [NGRAM] * (len(t) - 1)     # every node is the n-gram drafter's
     # layer 2 proposes chains of length 4 under each frontier node, merging into existing ones
     before = len(t)
     d.expand(t, frontier, 2, h)
@@ -128,7 +147,7 @@ def test_ngram_layer1_fallback_adds_most_frequent_token():
     d.observe(h, 5)
     t = DraftTree.rooted_at(42)  # 42 never occurred: no match at all
     out = d.expand(t, [0], 1, h)
-    assert t.token[1:] == [5] and out == [1]
+    assert t.token[1:] == [5] and out == [1] and t.drafted_by[1] == NGRAM
 
 
 class FakeStrong:
@@ -173,6 +192,8 @@ def test_graft_rescores_reselects_shallow_and_deletes_nothing(monkeypatch, on_gp
     best_root = set(np.argsort(-logp[4])[:3].tolist())
     assert {t.token[i] for i in t.children_of(0)} >= best_root
     assert len(frontier) <= 3 and all(t.parent[f] in (0, a, b, c) for f in frontier)
+    grafted = [t.child(0, tok) for tok in best_root]
+    assert all(t.drafted_by[g] & STRONG for g in grafted)
 
 
 def test_draft_chain_is_the_drafters_greedy_continuation_with_its_logprobs():

@@ -227,13 +227,22 @@ def chat(source, strategy, max_tokens, temp, top_p, top_k,
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(1))
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
-def serve(source, strategy, host, port, max_tokens_limit,
-          max_body_bytes) -> None:
-    """OpenAI-compatible server: /v1/models, /v1/completions, /v1/chat/completions."""
+@click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0),
+              help="Requests that may wait for the model; more are refused with 503.")
+@click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a connection may stall (sending its request, or reading the "
+              "reply) before it is dropped.")
+@click.option("--api-key", envvar="TREEGRAFT_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* and /treegraft/* (also "
+              "TREEGRAFT_API_KEY).")
+def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_queue, timeout,
+          api_key) -> None:
+    """OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions) and a
+    chat page at /."""
     from pathlib import Path
 
     from .decoder import parse_strategy
-    from .server import ServerConfig, make_server
+    from .server import ServerConfig, is_loopback, make_server
 
     try:
         parse_strategy(strategy)
@@ -243,8 +252,14 @@ def serve(source, strategy, host, port, max_tokens_limit,
     if family is None:
         return
     model_id = Path(str(source.model)).name if source.model else "tg-tiny"
-    server = make_server(family, host, port, ServerConfig(model_id, strategy, max_tokens_limit,
-                                                          max_body_bytes))
+    config = ServerConfig(model_id=model_id, strategy=strategy, max_tokens_limit=max_tokens_limit,
+                          max_body_bytes=max_body_bytes, max_queue=max_queue, timeout=timeout,
+                          api_key=api_key or None)
+    server = make_server(family, host, port, config)
+    if config.api_key is None and not is_loopback(host):
+        click.echo(f"warning: the server has no authentication and {host!r} is reachable from "
+                   "other machines: anyone who reaches it can use the model (pass --api-key)",
+                   err=True)
     click.echo(f"serving {model_id} ({strategy}) on http://{host}:{server.server_port}", err=True)
     try:
         server.serve_forever()

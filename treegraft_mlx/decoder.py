@@ -44,7 +44,7 @@ from .sampling import SamplerSettings, draw, host_probs, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
-from .tree import DraftTree, Plan, prune
+from .tree import SOURCES, DraftTree, Plan, prune
 from .verify import Acceptance, accept, verify
 
 DEFAULT_CHAIN_K = 4
@@ -53,6 +53,7 @@ NO_CALLS = FixedSchedule(frozenset())
 # budget b0 is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls); without
 # a scheduler, the call is made on every step.
 LEARNED_LAYERS = frozenset({1})
+TARGET = "target"   # the source of a token the target produced itself (Decoder.sources)
 
 
 @dataclass
@@ -130,7 +131,10 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
 
 
 class Decoder:
-    """Runs one generation of a strategy on a session; records StepStats per step."""
+    """Runs one generation of a strategy on a session; records StepStats per step, and
+    where each committed token came from in `sources` (one entry per token, in order:
+    "target" for the prefill's token and every bonus or AR token, else the drafters that
+    proposed the accepted draft: "ngram", "draft" (the strong drafter) or "both")."""
 
     def __init__(self, session: Session, strategy: Strategy, settings: SamplerSettings,
                  rng: np.random.Generator, schedule: Optional[Schedule] = None,
@@ -178,6 +182,7 @@ class Decoder:
             self.fallback: Fallback = family.learned.fallback(
                 not settings.greedy, session.tree, strategy.name, costs.ar_ms)
         self.stats: list[StepStats] = []
+        self.sources: list[str] = []
         self._asked = 0.0                 # when the chain last asked whether to go on
         self._since: Optional[float] = None   # when the last tree step ended (None: not the last)
         self._calls_before = self._drafter_forwards()
@@ -196,6 +201,11 @@ class Decoder:
         if self.trace is not None:
             self.trace(stats.trace(len(self.stats)))
 
+    def _by_target(self, token: int) -> list[int]:
+        """The block of one token the target produced itself (the prefill's, an AR step's)."""
+        self.sources.append(TARGET)
+        return [token]
+
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
         # The first block is the prefill's token, out at once (the prompt rows' scores stay
         # deferred until a drafter reads them); every later block is what one target forward
@@ -204,7 +214,7 @@ class Decoder:
         if self.strategy.kind == "ar":
             yield from self._ar_steps(root)
             return
-        yield [root]
+        yield self._by_target(root)
         if self.sizer is not None:
             yield from self._adaptive_steps(root)
         else:
@@ -219,13 +229,13 @@ class Decoder:
         queued (async_eval) before the current token is read back (the prefill's token too)."""
         history, forward = self.session.history, self._forward()
         queued = forward(mx.array(root))
-        yield [root]
+        yield self._by_target(root)
         while True:
             after = forward(queued.token)
             nxt = queued.read()
             history.extend([nxt])
             self._record(AR_STEP)
-            yield [nxt]
+            yield self._by_target(nxt)
             queued = after
 
     def _build(self, root: int, history: History) -> "TreeBuild":
@@ -322,7 +332,7 @@ class Decoder:
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
                 t_schedule=t_schedule, rows=1, expected=plan.expected, chain=len(drafts[0])))
             self._learn(choice, [nxt], drafts, t0)
-            yield [nxt]
+            yield self._by_target(nxt)
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
@@ -363,7 +373,7 @@ class Decoder:
                 self.drafters.observe(history, 1)
                 self._record(AR_STEP)
                 done, busy = done + 1, self.clock() - t0   # the caller's time included
-                yield [nxt]
+                yield self._by_target(nxt)
                 queued = after
                 if self.session.ngram.index.repeats(history.tokens):
                     break           # the text loops: drafts may pay again; probe the tree
@@ -442,6 +452,8 @@ class Decoder:
         step = tree_step(self.session, self.drafters, tree, rows, self.settings, self.rng,
                          self.clock)
         stats.accepted = len(step.acceptance.path) - 1
+        drafted = step.acceptance.path[1:]
+        self.sources += [SOURCES[tree.drafted_by[v]] for v in drafted] + [TARGET]
         stats.t_verify, stats.t_accept = step.t_verify, step.t_accept
         self._record(stats)
         return step.block, step.acceptance

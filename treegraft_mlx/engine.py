@@ -62,7 +62,7 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     `session` keeps the caches between calls (chat turns reuse the shared prefix). `schedule` replaces the strategy's
     layer schedule (tree strategies). `trace` (default: the TREEGRAFT_TRACE environment
     variable) prints every step's decisions to stderr. Each response carries the running
-    step statistics and strong-drafter calls.
+    step statistics and strong-drafter calls, and its text's provenance (Decoder.sources).
     """
     device.warn_if_slow_blas()
     loose = SamplerSettings(temp, top_p, top_k, min_p)
@@ -79,7 +79,8 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
                            tracing(trace))
     t0 = time.perf_counter()
     with device.wired_limit():
-        for r in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0):
+        for r in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0,
+                        origin=lambda i: decoder.sources[i]):
             yield dataclasses.replace(r, step_stats=decoder.stats,
                                       drafter_calls=decoder.drafter_calls)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 import warnings
+from itertools import groupby
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 Prompt = Union[str, Sequence[int]]
 
@@ -67,6 +68,8 @@ class Response:
     step_sizes: list[int] = field(default_factory=list)
     step_stats: list = field(default_factory=list)    # decoder.StepStats per step so far
     drafter_calls: int = 0                            # strong-drafter forwards so far
+    # (text, source) runs that make up `text`: where its tokens came from (stream's `origin`)
+    provenance: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def mean_accepted(self) -> float:
@@ -91,7 +94,8 @@ def tokens_per_step(tokens: int, steps: int) -> float:
 
 
 def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: int,
-           stop_strings: Sequence[str] = (), t_start: Optional[float] = None) -> Iterator[Response]:
+           stop_strings: Sequence[str] = (), t_start: Optional[float] = None,
+           origin: Optional[Callable[[int], str]] = None) -> Iterator[Response]:
     """Detokenize committed blocks; stop at EOS / stop string / max_tokens inside a block.
     The first block is the prefill's token (its arrival is the time to first token); each
     later one is a step (`Response.steps`).
@@ -99,6 +103,9 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
     Text that could still become the start of a stop string is held back until it cannot,
     so nothing from a stop string onwards is ever emitted. One string is one stop string (not
     one per character); an empty one would stop before any text and is refused.
+
+    `origin(i)` names where the i-th token of the blocks came from (Decoder.sources); each
+    response then carries its text's `provenance`, cut exactly where its text is.
     """
     t_start = t_start if t_start is not None else time.perf_counter()
     stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
@@ -110,23 +117,28 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
     detok.reset()
     produced: list[int] = []
     sizes: list[int] = []
-    text, emitted, t_first, finish = "", 0, None, None
+    text = _SourcedText(origin is not None)
+    emitted, t_first, finish = 0, None, None
     if max_tokens <= 0:
         return
-    def flush(text: str) -> str:
+
+    def source() -> Optional[str]:
+        """Where the last token produced came from (what its text is attributed to)."""
+        return origin(len(produced) - 1) if origin is not None and produced else None
+
+    def flush() -> None:
         """Text after the detokenizer's last bytes, cut at a stop string if one appeared."""
         detok.finalize()
-        text += detok.last_segment
-        cut = _first_stop(text, stop_strings, emitted)
-        return text if cut is None else text[:cut]
+        text.add(detok.last_segment, source())
+        text.cut(_first_stop(text.chars, stop_strings, emitted))
 
-    def response(piece: str, tokens: list[int], reason: Optional[str]) -> Response:
+    def response(upto: int, tokens: list[int], reason: Optional[str]) -> Response:
         return Response(
-            text=piece, tokens=tokens, prompt_tokens=prompt_len,
+            text=text.chars[emitted:upto], tokens=tokens, prompt_tokens=prompt_len,
             generation_tokens=len(produced), steps=len(sizes),
             prompt_tps=prompt_len / max(t_first - t_start, 1e-9),
             generation_tps=len(produced) / max(time.perf_counter() - t_first, 1e-9),
-            finish_reason=reason, step_sizes=list(sizes))
+            finish_reason=reason, step_sizes=list(sizes), provenance=text.runs(emitted, upto))
 
     for block in steps:
         if t_first is None:             # the prefill's token: the first token, not a step
@@ -141,25 +153,55 @@ def stream(tokenizer, steps: Iterator[list[int]], prompt_len: int, max_tokens: i
             detok.add_token(tok)
             produced.append(tok)
             new_tokens.append(tok)
-            text += detok.last_segment
-            cut = _first_stop(text, stop_strings, emitted)
+            text.add(detok.last_segment, source())
+            cut = _first_stop(text.chars, stop_strings, emitted)
             if cut is not None:
-                text, finish = text[:cut], "stop"
+                text.cut(cut)
+                finish = "stop"
                 break
             if len(produced) >= max_tokens:
                 finish = "length"
                 break
         if finish is not None:
-            text = flush(text)
-        upto = len(text) if finish else max(emitted, len(text) - holdback)
-        piece, emitted = text[emitted:upto], upto
-        yield response(piece, new_tokens, finish)
+            flush()
+        upto = len(text.chars) if finish else max(emitted, len(text.chars) - holdback)
+        r = response(upto, new_tokens, finish)
+        emitted = upto
+        yield r
         if finish is not None:
             return
     # The steps ran out (a finite source): emit what was held back for stop strings.
-    text = flush(text)
-    if t_first is not None and len(text) > emitted:
-        yield response(text[emitted:], [], "stop")
+    flush()
+    if t_first is not None and len(text.chars) > emitted:
+        yield response(len(text.chars), [], "stop")
+
+
+class _SourcedText:
+    """The text detokenized so far and, when tracked, the source of each of its characters
+    (the token whose arrival released it), so that provenance is cut where the text is."""
+
+    def __init__(self, tracked: bool):
+        self.chars, self.tracked, self.owners = "", tracked, []
+
+    def add(self, segment: str, source: Optional[str]) -> None:
+        self.chars += segment
+        if self.tracked:
+            self.owners += [source] * len(segment)
+
+    def cut(self, at: Optional[int]) -> None:
+        """Drop everything from `at` on (None: nothing)."""
+        if at is not None:
+            self.chars, self.owners = self.chars[:at], self.owners[:at]
+
+    def runs(self, lo: int, hi: int) -> list[tuple[str, str]]:
+        """(text, source) runs of characters [lo, hi); empty when not tracked."""
+        out: list[tuple[str, str]] = []
+        if self.tracked:
+            for src, group in groupby(self.owners[lo:hi]):
+                n = len(list(group))
+                out.append((self.chars[lo:lo + n], src))
+                lo += n
+        return out
 
 
 def _first_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:

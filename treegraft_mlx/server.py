@@ -1,31 +1,47 @@
-"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, the
+browser chat page at / (page.py), and /treegraft/config and /treegraft/status for it.
 
 Built on the standard library's ThreadingHTTPServer, like mlx_lm's own server: no extra
 dependency, well kept with CPython, and enough for one local user or app. Connections are
-served concurrently; generations queue on one lock (one model, one device). Errors come back
-as OpenAI-style JSON with the right status code.
+served concurrently; generations run one at a time on one worker thread (one model, one
+device), and at most `max_queue` requests wait for it (more get 503). Errors come back as
+OpenAI-style JSON with the right status code; an oversized body is read and dropped (up to a
+cap) so that even a client that sends all of it before reading gets its 413. A client that
+goes away mid-stream ends its generation at the next step.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import math
+import queue
+import socket
 import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from collections import Counter
+from contextlib import closing
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Iterator, Optional
+from urllib.parse import urlsplit
 
-from .decoder import parse_strategy
+from .decoder import STRATEGY_NAMES, parse_strategy
 from .engine import stream_generate
 from .family import Family
 from .generate import Response, chat_prompt, summary
+from .page import load_assets
 from .sampling import SamplerSettings
 
 DEFAULT_MAX_TOKENS = 256
+RETRY_AFTER_S = 1            # what a 503 asks a client to wait before it tries again
+DRAIN_CHUNK = 1 << 16        # bytes read at a time from a body that is dropped
+LINGER_S = 2.0               # how long a connection closed on a client still sending drains
+GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -34,20 +50,65 @@ class ServerConfig:
     strategy: str = "treegraft"
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
+    max_queue: int = 16                 # requests that may wait while one generates
+    timeout: float = 60.0               # seconds a connection may stall (request or reply)
+    api_key: Optional[str] = None       # /v1/* and /treegraft/* need "Bearer <api_key>"
+    drain_bytes: int = 64 << 20         # an oversized body up to this is read before the 413
 
 
 class RequestError(Exception):
-    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error"):
+    def __init__(self, status: HTTPStatus, message: str, kind: str = "invalid_request_error",
+                 headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
+        self.headers = headers or {}
+
+
+@dataclass
+class Served:
+    """What the server has generated: the running generation's last response, and totals
+    over the finished ones (`finished`: how many ended by each finish reason, "disconnected"
+    where the client went away, "error" where generation failed)."""
+
+    current: Optional[Response] = None
+    steps: int = 0
+    tokens: int = 0
+    finished: Counter = field(default_factory=Counter)
+    last: Optional[dict] = None          # the last finished generation's reason, tokens, steps
+
+
+@dataclass
+class Job:
+    """One generation handed to the worker thread; its pieces come back on `out` (then an
+    exception, if it failed, and END), and `cancelled` stops it at its next step."""
+
+    prompt: str
+    params: dict
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+END = object()    # the last item of a Job's `out`
 
 
 class Generator:
-    """Validates a request and runs it on the family, one generation at a time."""
+    """Validates requests and runs them on the family one at a time, on one worker thread,
+    with at most `max_queue` waiting for their turn; counts what it served (status).
+
+    One long-lived thread generates because the compute libraries keep native state per
+    calling thread: generating on the handler's thread (a new one per connection) grew the
+    process by about 50 KB a request, measured; one thread does not grow."""
 
     def __init__(self, family: Family, config: ServerConfig):
         self.family, self.config = family, config
-        self.lock = threading.Lock()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()   # Jobs, then None to stop
+        self.changed = threading.Condition()    # guards the counts below; notified on change
+        self.admitted = 0                       # jobs handed over and not finished
+        self.busy = False                       # the worker is generating
+        self.served = Served()
+        self.stopping = threading.Event()       # close(): every generation ends at its next step
+        self.worker = threading.Thread(target=self._work, name="treegraft-generate", daemon=True)
+        self.worker.start()
 
     def parameters(self, body: dict) -> dict:
         model = body.get("model")
@@ -67,10 +128,11 @@ class Generator:
         seed = number(body, "seed", None, integer=True)
         if seed is not None and seed < 0:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"'seed' must be >= 0, got {seed}")
-        temp = float(number(body, "temperature", 0.0))
-        top_p = float(number(body, "top_p", 1.0))
-        top_k = number(body, "top_k", 0, integer=True)
-        min_p = float(number(body, "min_p", 0.0))
+        defaults = SamplerSettings()
+        temp = float(number(body, "temperature", defaults.temp))
+        top_p = float(number(body, "top_p", defaults.top_p))
+        top_k = number(body, "top_k", defaults.top_k, integer=True)
+        min_p = float(number(body, "min_p", defaults.min_p))
         try:
             if not isinstance(strategy, str):
                 raise ValueError(f"'strategy' must be a string, got {strategy!r}")
@@ -81,13 +143,104 @@ class Generator:
         return dict(strategy=strategy, max_tokens=max_tokens, seed=seed, stop=stop,
                     settings=settings)
 
-    def run(self, prompt: str, params: dict):
-        """Yield Response pieces; the lock is held for the whole generation (a queue)."""
-        with self.lock:
-            try:
-                yield from stream_generate(self.family, prompt, **params)
-            except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
-                raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
+    def run(self, prompt: str, params: dict) -> Iterator[Response]:
+        """Hand the generation to the worker and yield its pieces as they come. Closing this
+        generator (the client went away) cancels it: the worker stops at its next step."""
+        job = self._admit(prompt, params)
+        try:
+            while (item := job.out.get()) is not END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        except ValueError as e:  # e.g. a prompt past the context, bad sampler settings
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
+        finally:
+            job.cancelled.set()
+
+    def _admit(self, prompt: str, params: dict) -> Job:
+        """A job for the worker; refused (503 with Retry-After) when one generation runs and
+        `max_queue` more already wait."""
+        with self.changed:
+            if self.admitted > self.config.max_queue:
+                raise RequestError(
+                    HTTPStatus.SERVICE_UNAVAILABLE, f"the server is busy: {self.admitted - 1} "
+                    f"requests already wait for the model; retry in {RETRY_AFTER_S} s",
+                    "server_error", {"Retry-After": str(RETRY_AFTER_S)})
+            self.admitted += 1
+            self.changed.notify_all()
+        job = Job(prompt, params)
+        self.jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        """End every generation at its next step and wait for the worker to stop (a process
+        that exits while the worker computes can abort in the compute library)."""
+        self.stopping.set()
+        self.jobs.put(None)
+        self.worker.join()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._generate(job)
+
+    def _generate(self, job: Job) -> None:
+        """Run one job to its end, or to the step after it was cancelled ("disconnected")."""
+        reason, last = "disconnected", None
+        self._progress(None)
+        try:
+            with closing(stream_generate(self.family, job.prompt, **job.params)) as pieces:
+                for last in pieces:
+                    self._progress(last)
+                    job.out.put(last)
+                    if job.cancelled.is_set() or self.stopping.is_set():
+                        break
+                else:
+                    reason = last.finish_reason if last else "stop"
+        except Exception as e:
+            reason = "error"
+            job.out.put(e)
+        finally:
+            self._finish(reason, last)
+            job.out.put(END)
+
+    def _progress(self, r: Optional[Response]) -> None:
+        """The worker generates; `r` is its generation's last piece so far."""
+        with self.changed:
+            self.served.current, self.busy = r, True
+            self.changed.notify_all()
+
+    def _finish(self, reason: str, last: Optional[Response]) -> None:
+        tokens, steps = (last.generation_tokens, last.steps) if last else (0, 0)
+        with self.changed:
+            served = self.served
+            served.steps, served.tokens = served.steps + steps, served.tokens + tokens
+            served.finished[reason] += 1
+            served.last = {"finish_reason": reason, "tokens": tokens, "steps": steps}
+            served.current, self.busy = None, False
+            self.admitted -= 1
+            self.changed.notify_all()
+
+    def status(self) -> dict:
+        """GET /treegraft/status: whether a generation runs, how many wait, and the steps and
+        tokens served so far (the running generation's included, so they grow while it runs)."""
+        with self.changed:
+            s, live = self.served, self.served.current
+            return {"busy": self.busy, "queued": self.admitted - self.busy,
+                    "steps": s.steps + (live.steps if live else 0),
+                    "tokens": s.tokens + (live.generation_tokens if live else 0),
+                    "finished": dict(s.finished), "last": s.last}
+
+    def describe(self) -> dict:
+        """GET /treegraft/config: what a client (the chat page) shows as the defaults."""
+        cfg, defaults = self.config, SamplerSettings()
+        names = [n for n in STRATEGY_NAMES if "<" not in n and
+                 (self.family.strong is not None or not parse_strategy(n).needs_strong)]
+        if cfg.strategy not in names:
+            names.insert(0, cfg.strategy)
+        return {"model": cfg.model_id, "strategy": cfg.strategy, "strategies": names,
+                "max_tokens": min(DEFAULT_MAX_TOKENS, cfg.max_tokens_limit),
+                "max_tokens_limit": cfg.max_tokens_limit, "temperature": defaults.temp,
+                "top_p": defaults.top_p, "api_key_required": cfg.api_key is not None}
 
 
 def number(body: dict, key: str, default, integer: bool = False):
@@ -122,39 +275,112 @@ def usage(last: Optional[Response], strategy: str) -> dict:
             "total_tokens": prompt + completion, "speculative": figures}
 
 
+def unauthorized() -> RequestError:
+    return RequestError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send "
+                        "'Authorization: Bearer <key>'", "authentication_error",
+                        {"WWW-Authenticate": "Bearer"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (a name other than localhost may
+    resolve to anything, and "" or 0.0.0.0 is every interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def linger_close(sock: socket.socket) -> None:
+    """Half-close, then drop what the client still sends for a while before the socket is
+    closed: closing with unread data resets the connection, and the reset can destroy the
+    reply before a client that is still sending has read it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(LINGER_S)
+        deadline = time.monotonic() + LINGER_S
+        while time.monotonic() < deadline and sock.recv(DRAIN_CHUNK):
+            pass
+    except OSError:    # the client is gone, or kept silent: nothing left to protect
+        pass
+
+
+def extension(r: Response) -> dict:
+    """The `treegraft` field of a streamed chunk (OpenAI clients ignore unknown fields): its
+    text's provenance as [text, source] runs, and the generation's tokens and target
+    forwards so far."""
+    return {"provenance": [list(run) for run in r.provenance],
+            "tokens": r.generation_tokens, "steps": r.steps}
+
+
 def make_handler(gen: Generator):
     config = gen.config
+    assets = load_assets()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = config.timeout        # a socket timeout: a stalled client is dropped
+        linger = False                  # close lingering: a refused body is still arriving
 
         def log_message(self, fmt, *args):  # quiet by default; errors still reach the client
             pass
 
-        def _json(self, status: HTTPStatus, payload: dict) -> None:
-            data = json.dumps(payload).encode()
+        def finish(self) -> None:
+            super().finish()
+            if self.linger:
+                linger_close(self.connection)
+
+        def _send(self, status: HTTPStatus, data: bytes, headers: dict[str, str]) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            for k, v in headers.items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(data)))
             if self.close_connection:
                 self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
 
+        def _json(self, status: HTTPStatus, payload: dict,
+                  headers: Optional[dict[str, str]] = None) -> None:
+            self._send(status, json.dumps(payload).encode(),
+                       {"Content-Type": "application/json", **(headers or {})})
+
         def _error(self, e: RequestError) -> None:
-            self._json(e.status, error_payload(e))
+            self._json(e.status, error_payload(e), e.headers)
+
+        def _route(self) -> str:
+            return urlsplit(self.path).path.rstrip("/") or "/"
+
+        def _authorized(self, route: str) -> bool:
+            """With an API key, the API (not the page) needs it as a bearer token."""
+            if config.api_key is None or not route.startswith(("/v1/", "/treegraft/")):
+                return True
+            given = self.headers.get("Authorization", "").encode()
+            return hmac.compare_digest(given, f"Bearer {config.api_key}".encode())
 
         def do_GET(self):
-            if self.path.rstrip("/") == "/v1/models":
-                self._json(HTTPStatus.OK, {"object": "list", "data": [
-                    {"id": config.model_id, "object": "model", "created": int(time.time()),
-                     "owned_by": "treegraft-mlx"}]})
-            else:
-                self._error(RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found"))
+            route = self._route()
+            asset = assets.get(urlsplit(self.path).path)
+            try:
+                if asset is not None:
+                    self._send(HTTPStatus.OK, asset.body, asset.headers())
+                elif not self._authorized(route):
+                    raise unauthorized()
+                elif route == "/v1/models":
+                    self._json(HTTPStatus.OK, {"object": "list", "data": [
+                        {"id": config.model_id, "object": "model", "created": int(time.time()),
+                         "owned_by": "treegraft-mlx"}]})
+                elif route == "/treegraft/config":
+                    self._json(HTTPStatus.OK, gen.describe())
+                elif route == "/treegraft/status":
+                    self._json(HTTPStatus.OK, gen.status())
+                else:
+                    raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
+            except RequestError as e:
+                self._error(e)
 
-        def _raw_body(self) -> bytes:
-            """The request body; a body left unread (refused) closes the connection after
-            the reply, so that it is never parsed as the next request."""
+        def _length(self) -> int:
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
@@ -163,11 +389,35 @@ def make_handler(gen: Generator):
                 self.close_connection = True
                 raise RequestError(HTTPStatus.BAD_REQUEST, "bad Content-Length "
                                    f"{self.headers.get('Content-Length')!r}")
-            if length > config.max_body_bytes:
+            return length
+
+        def _read(self, length: int) -> bytes:
+            try:
+                return self.rfile.read(length)
+            except TimeoutError:
                 self.close_connection = True
+                raise RequestError(HTTPStatus.REQUEST_TIMEOUT, "the request body stalled for "
+                                   f"{config.timeout} s") from None
+
+        def _skip_body(self, length: int) -> None:
+            """Read and drop the body of a refused request, so that a client that sends all
+            of it before reading gets the reply; the connection closes after the reply, so
+            nothing unread is parsed as the next request. Past `drain_bytes` the reply goes
+            out at once and the connection closes lingering (linger_close)."""
+            self.close_connection = True
+            if length > config.drain_bytes:
+                self.linger = True
+                return
+            while length > 0 and (chunk := self._read(min(DRAIN_CHUNK, length))):
+                length -= len(chunk)
+
+        def _raw_body(self) -> bytes:
+            length = self._length()
+            if length > config.max_body_bytes:
+                self._skip_body(length)
                 raise RequestError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                    f"request body of {length} bytes exceeds {config.max_body_bytes}")
-            return self.rfile.read(length)
+            return self._read(length)
 
         def _body(self) -> dict:
             raw = self._raw_body()
@@ -180,9 +430,12 @@ def make_handler(gen: Generator):
             return body
 
         def do_POST(self):
-            route = self.path.rstrip("/")
+            route = self._route()
             try:
-                if route not in ("/v1/completions", "/v1/chat/completions"):
+                if not self._authorized(route):
+                    self._skip_body(self._length())
+                    raise unauthorized()
+                if route not in GENERATE_ROUTES:
                     self._raw_body()
                     raise RequestError(HTTPStatus.NOT_FOUND, f"no route {self.path}", "not_found")
                 body = self._body()
@@ -197,15 +450,15 @@ def make_handler(gen: Generator):
                     prompt = body.get("prompt")
                     if not isinstance(prompt, str) or not prompt:
                         raise RequestError(HTTPStatus.BAD_REQUEST, "'prompt' must be a non-empty string")
-                if body.get("stream"):
-                    self._stream(gen.run(prompt, params), chat, params["strategy"])
-                else:
-                    self._complete(gen.run(prompt, params), chat, params["strategy"])
+                with closing(gen.run(prompt, params)) as pieces:  # closed: generation ends
+                    reply = self._stream if body.get("stream") else self._complete
+                    reply(pieces, chat, params["strategy"])
             except RequestError as e:
                 self._error(e)
+            except (ConnectionError, TimeoutError):  # the client is gone: nobody to tell
+                self.close_connection = True
             except Exception as e:  # a failure before any reply was sent: JSON, not a hang-up
                 self._error(internal_error(e))
-
         def _complete(self, pieces, chat: bool, strategy: str) -> None:
             text, last = "", None
             for r in pieces:
@@ -243,7 +496,8 @@ def make_handler(gen: Generator):
                     else:
                         choice["text"] = r.text
                     chunk = {"id": ident, "object": obj, "created": int(time.time()),
-                             "model": config.model_id, "choices": [choice]}
+                             "model": config.model_id, "choices": [choice],
+                             "treegraft": extension(r)}
                     if r.finish_reason:
                         chunk["usage"] = usage(last, strategy)
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -252,7 +506,7 @@ def make_handler(gen: Generator):
                 if not started:  # nothing sent yet: an ordinary JSON error reply
                     raise
                 self.close_connection = True
-                if not isinstance(e, (BrokenPipeError, ConnectionResetError)):  # client still there
+                if not isinstance(e, (ConnectionError, TimeoutError)):  # the client is still there
                     # Headers are gone: end the stream with an error event (no [DONE]).
                     self._stream_error(e if isinstance(e, RequestError) else internal_error(e))
                 return
@@ -272,10 +526,21 @@ def make_handler(gen: Generator):
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    """The HTTP server, and the Generator behind it (its counts; its worker ends with it)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], gen: Generator):
+        super().__init__(address, make_handler(gen))
+        self.generator = gen
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.generator.close()
+
+
 def make_server(family: Family, host: str = "127.0.0.1", port: int = 8080,
-                config: Optional[ServerConfig] = None) -> ThreadingHTTPServer:
+                config: Optional[ServerConfig] = None) -> Server:
     """A ready server (call serve_forever); port 0 picks a free port."""
-    gen = Generator(family, config or ServerConfig())
-    server = ThreadingHTTPServer((host, port), make_handler(gen))
-    server.daemon_threads = True
-    return server
+    return Server((host, port), Generator(family, config or ServerConfig()))

@@ -21,6 +21,12 @@ NEG_INF = float("-inf")
 NAN = float("nan")
 
 
+# Which drafters proposed a node (DraftTree.drafted_by, a bit per drafter), and what a
+# committed draft is called by the drafters that proposed it (Decoder.sources).
+NGRAM, STRONG = 1, 2
+SOURCES = {NGRAM: "ngram", STRONG: "draft", NGRAM | STRONG: "both"}
+
+
 @dataclass(frozen=True, eq=False)
 class TreeMask:
     """Row i of a block sees [0, context) and the block columns whose bit is set in bits[i]:
@@ -62,7 +68,9 @@ class DraftTree:
     The evidence is what the per-step size choice estimates acceptance from (acceptance.py):
     the n-gram drafter's match length, votes (continuations through the node) and the target's
     recorded log-prob of the token where the match was seen; the strong drafter's log-prob of
-    the token at its parent and its rank there, once it has run on the parent (NaN before)."""
+    the token at its parent and its rank there, once it has run on the parent (NaN before).
+    `drafted_by` says which drafters proposed each node (NGRAM, STRONG bits; 0: the root),
+    so that every committed token can be shown with where it came from."""
 
     token: list[int] = field(default_factory=list)
     parent: list[int] = field(default_factory=list)
@@ -75,6 +83,7 @@ class DraftTree:
     votes: list[int] = field(default_factory=list)        # n-gram continuations through the node
     draft_lp: list[float] = field(default_factory=list)   # strong drafter's log-prob (NaN: not run)
     draft_rank: list[int] = field(default_factory=list)   # its rank among the drafter's top-k
+    drafted_by: list[int] = field(default_factory=list)   # NGRAM | STRONG bits
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     kids: dict[int, list[int]] = field(default_factory=dict)  # parent -> children, in order
     # A sampled draft: node -> the distribution q its token was drawn from at its parent (the
@@ -82,7 +91,7 @@ class DraftTree:
     proposal: dict[int, np.ndarray] = field(default_factory=dict)
 
     NODE_FIELDS = ("token", "parent", "depth", "score", "match_len", "match_pos", "terminated",
-                   "ngram_lp", "votes", "draft_lp", "draft_rank")
+                   "ngram_lp", "votes", "draft_lp", "draft_rank", "drafted_by")
 
     @classmethod
     def rooted_at(cls, token: int) -> "DraftTree":
@@ -95,7 +104,7 @@ class DraftTree:
 
     def _append(self, token: int, parent: int, depth: int, score: float, match_len: int = 0,
                 match_pos: int = -1, ngram_lp: float = NAN, votes: int = 0,
-                draft_lp: float = NAN, draft_rank: int = -1) -> int:
+                draft_lp: float = NAN, draft_rank: int = -1, drafted_by: int = 0) -> int:
         self.token.append(int(token))
         self.parent.append(int(parent))
         self.depth.append(int(depth))
@@ -107,6 +116,7 @@ class DraftTree:
         self.votes.append(int(votes))
         self.draft_lp.append(float(draft_lp))
         self.draft_rank.append(int(draft_rank))
+        self.drafted_by.append(int(drafted_by))
         return len(self.token) - 1
 
     def copy(self) -> "DraftTree":
@@ -120,14 +130,17 @@ class DraftTree:
         return self.children.get((parent, int(token)), -1)
 
     def add(self, parent: int, token: int, score: float, match_len: int = 0,
-            match_pos: int = -1, ngram_lp: Optional[float] = None) -> int:
-        """Add a child, or merge into the existing one: it keeps the max score and best match.
+            match_pos: int = -1, ngram_lp: Optional[float] = None, by: int = 0) -> int:
+        """Add a child, or merge into the existing one: it keeps the max score and best match,
+        and `drafted_by` gains `by` (the proposing drafter's bit).
         `ngram_lp` (given by the n-gram drafter) counts one vote and keeps the best log-prob."""
         i = self.child(parent, token)
         if i < 0:
-            i = self._append(token, parent, self.depth[parent] + 1, score, match_len, match_pos)
+            i = self._append(token, parent, self.depth[parent] + 1, score, match_len, match_pos,
+                             drafted_by=by)
             self._link(parent, i)
         else:
+            self.drafted_by[i] |= by
             self.score[i] = max(self.score[i], float(score))
             if (match_len, match_pos) > (self.match_len[i], self.match_pos[i]):
                 self.match_len[i], self.match_pos[i] = int(match_len), int(match_pos)
@@ -203,7 +216,7 @@ def extend_chain(tree: DraftTree, path: list[int], tokens: Sequence[int],
             if rank == 0:
                 return False
             break
-        node = tree.add(parent, int(tok), base + float(lp))
+        node = tree.add(parent, int(tok), base + float(lp), by=STRONG)
         tree.draft_lp[node], tree.draft_rank[node] = float(lp), rank
         if rank == 0:
             path.append(node)

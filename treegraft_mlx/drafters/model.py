@@ -15,7 +15,8 @@ import numpy as np
 
 from ..device import on_gpu
 from ..history import History, host_logsumexp
-from ..tree import NAN, DraftTree, ancestor_mask, attention_mask, build_cap, positions, reselect
+from ..tree import (NAN, STRONG, DraftTree, ancestor_mask, attention_mask, build_cap, positions,
+                    reselect)
 
 
 LogProbs = Union[mx.array, np.ndarray]   # (rows, V): on the device on a GPU, else on the host
@@ -170,7 +171,7 @@ class ModelDrafter:
             for tok, lp, r in zip(step.top_ids[p], step.top_lp[p], ranks):
                 if len(tree) >= cap and tree.child(int(p), int(tok)) < 0:
                     continue
-                c = tree.add(int(p), int(tok), float(score[p] + lp))
+                c = tree.add(int(p), int(tok), float(score[p] + lp), by=STRONG)
                 tree.draft_lp[c], tree.draft_rank[c] = float(lp), int(r)
                 if c not in grafted:
                     grafted.append(c)

@@ -10,7 +10,7 @@ from collections import defaultdict
 from typing import Iterator
 
 from ..history import History
-from ..tree import NEG_INF, DraftTree, build_cap
+from ..tree import NEG_INF, NGRAM, DraftTree, build_cap
 
 
 class NgramIndex:
@@ -114,12 +114,12 @@ class NgramDrafter:
                     # The target's log-prob of tok where the match saw it (end + j precedes it).
                     lp = history.logprob(end + j)
                     score = tree.score[parent] + lp if j == 0 else NEG_INF
-                    node = tree.add(node, tok, score, n, end, ngram_lp=lp)
+                    node = tree.add(node, tok, score, n, end, ngram_lp=lp, by=NGRAM)
             if not enough:
                 tree.terminated[parent] = True
         if layer == 1 and len(tree) == 1 and self.index.most_frequent >= 0:
             # Nothing matched at all: the most frequent context token keeps the tree going.
-            return [tree.add(0, self.index.most_frequent, 0.0)]
+            return [tree.add(0, self.index.most_frequent, 0.0, by=NGRAM)]
         live = [c for p in frontier if not tree.terminated[p] for c in tree.children_of(p)]
         live.sort(key=lambda i: (-tree.match_len[i], -tree.score[i], i))
         return live if layer == 1 else live[: self.top_k]
