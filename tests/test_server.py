@@ -579,3 +579,33 @@ def test_serve_flags_and_the_warning_without_a_key_off_loopback(monkeypatch):
     assert made[-1].api_key == "k2"
     assert [is_loopback(h) for h in ("127.0.0.1", "127.3.0.1", "::1", "localhost")] == [True] * 4
     assert not any(is_loopback(h) for h in ("0.0.0.0", "", "::", "192.168.1.2", "example.com"))
+
+
+def test_the_official_openai_client_streams_and_completes_as_the_api_does(server, family):
+    """The `openai` package against our server: chat and text completions, streamed and not,
+    give the library's greedy text; the provenance extension rides along where the client
+    keeps unknown fields (`model_extra`) and changes nothing it parses; the API key path
+    (a bearer token) is the client's own."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_port}/v1",
+                           api_key="unused", max_retries=0)
+    want = generate(family, PROMPT, "treegraft", max_tokens=24).text
+    done = client.completions.create(model="tg-tiny", prompt=PROMPT, max_tokens=24,
+                                     temperature=0)
+    assert done.choices[0].text == want and done.usage.completion_tokens == 24
+    pieces = list(client.completions.create(model="tg-tiny", prompt=PROMPT, max_tokens=24,
+                                            temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == want
+    runs = [run for p in pieces for run in p.model_extra["treegraft"]["provenance"]]
+    assert "".join(text for text, _ in runs) == want
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    chat = chat_prompt(family.tokenizer, messages)
+    want_chat = generate(family, chat, "treegraft", max_tokens=16).text
+    reply = client.chat.completions.create(model="tg-tiny", messages=messages, max_tokens=16,
+                                           temperature=0)
+    assert reply.choices[0].message.content == want_chat
+    chunks = client.chat.completions.create(model="tg-tiny", messages=messages, max_tokens=16,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
