@@ -266,6 +266,10 @@ class PipelineCache:
         rows = [int(r) for r in rows]
         self.target.ops += [KEEP, self.ident, len(rows), *rows]
 
+    def rewindable(self, length: int) -> int:
+        """Any length: every rank's cache is a KVCache (hybrid targets are refused)."""
+        return length
+
     def reset(self, length: int = 0) -> None:
         self.local.reset(length)
         self.target.ops += [RESET, self.ident, length]
