@@ -111,6 +111,8 @@ def test_a_kept_row_must_be_a_path_and_rewinds_go_where_states_were_kept(model):
           mask=attention_mask(tree.parent, 10))
     with pytest.raises(ValueError, match="not a path"):
         cache.keep([0, a, 2])
+    pending = [(r.states[0].nbytes + r.inputs[0].nbytes) for r in cache.layers.values()]
+    assert cache.node_bytes() == sum(pending)           # what one pending tree row holds
     cache.keep([0, a])
     assert cache.offset == 12 and cache.rewindable(11) == 11 and cache.rewindable(10) == 10
     assert cache.rewindable(5) == 0           # inside the first block: not kept
