@@ -150,7 +150,7 @@ class Decoder:
         self.clock = session.family.clock
         if strategy.needs_strong and session.strong is None:
             raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
-        if (strategy.combine_layers or strategy.learned) and getattr(family_strong(session),
+        if (strategy.combine_layers or strategy.learned) and getattr(strong_model(session),
                                                                      "RECURRENT", False):
             raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
                              "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
@@ -533,7 +533,7 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
     return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
 
 
-def family_strong(session: Session):
+def strong_model(session: Session):
     """The strong drafter's model, or None."""
     return session.strong.model if session.strong is not None else None
 
