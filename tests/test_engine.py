@@ -198,11 +198,12 @@ def test_stream_generate_text_and_provenance_with_a_stop_string(family):
     seen = {}
     for strategy in ("ar", "ngram", "treegraft"):
         pieces = list(stream_generate(family, prompt, strategy, max_tokens=64,
-                                      stop=[ar[at:at + 4]]))
+                                      stop=[ar[at:at + 4]], provenance=True))
         assert "".join(p.text for p in pieces) == ar[:at], strategy
         assert all("".join(t for t, _ in p.provenance) == p.text for p in pieces)
         seen[strategy] = {src for p in pieces for _, src in p.provenance}
     assert seen["ar"] == {"target"} and "ngram" in seen["ngram"]
+    assert not next(stream_generate(family, prompt, "ngram", max_tokens=4)).provenance  # opt-in
 
 
 def test_strong_drafter_cache_sync_after_skipped_calls(family):

@@ -188,7 +188,8 @@ class Generator:
         reason, last = "disconnected", None
         self._progress(None)
         try:
-            with closing(stream_generate(self.family, job.prompt, **job.params)) as pieces:
+            with closing(stream_generate(self.family, job.prompt, **job.params,
+                                         provenance=True)) as pieces:
                 for last in pieces:
                     self._progress(last)
                     job.out.put(last)
