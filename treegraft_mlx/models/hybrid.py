@@ -125,6 +125,27 @@ def conv_windows(parents: np.ndarray, kernel: int) -> np.ndarray:
     return idx
 
 
+@dataclass(frozen=True)
+class RowWalk:
+    """What every linear-attention layer of one forward needs of the block's tree, derived
+    once per forward (HybridModel.run_layers): each row's parent, its convolution window's
+    indices, and the rows of each depth (with their parents) for the delta rule."""
+
+    parents: np.ndarray
+    windows: mx.array                     # (rows, kernel) conv_windows
+    levels: list                          # per depth: (rows, their parents)
+
+    @classmethod
+    def of(cls, mask, rows: int, kernel: int) -> "RowWalk":
+        parents = tree_parents(mask, rows)
+        depth = np.zeros(rows, dtype=np.int64)
+        for i, p in enumerate(parents):
+            depth[i] = depth[p] + 1 if p >= 0 else 0
+        levels = [(r, parents[r]) for r in (np.flatnonzero(depth == d)
+                                            for d in range(int(depth.max(initial=-1)) + 1))]
+        return cls(parents, mx.array(conv_windows(parents, kernel)), levels)
+
+
 def l2_normalize(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt((x * x).sum(-1, keepdims=True) + eps)
 
@@ -167,16 +188,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, args.rms_norm_eps)
         self.out_proj = nn.Linear(args.value_dim, d, bias=False)
 
-    def __call__(self, x: mx.array, mask, cache: Optional["HybridCache"], layer: int) -> mx.array:
+    def __call__(self, x: mx.array, walk: RowWalk, cache: Optional["HybridCache"],
+                 layer: int) -> mx.array:
         L = x.shape[1]
-        parents = tree_parents(mask, L)
         inputs = self.in_proj_qkv(x)[0]                                  # (L, conv_dim)
         window, state = (cache.recurrent(layer) if cache is not None
                          else (mx.zeros((self.kernel - 1, inputs.shape[-1]), inputs.dtype),
                                mx.zeros((self.hv, self.dk, self.dv), mx.float32)))
         # Each row's convolution over its own path's last `kernel` inputs.
         src = mx.concatenate([window.astype(inputs.dtype), inputs])
-        taps = src[mx.array(conv_windows(parents, self.kernel))]         # (L, K, conv_dim)
+        taps = src[walk.windows]                                         # (L, K, conv_dim)
         w = self.conv1d.weight[:, 0, :].T                                # (K, conv_dim)
         mixed = nn.silu((taps * w).sum(1))
         q, k, v = mx.split(mixed.astype(mx.float32), self.splits, axis=-1)
@@ -187,29 +208,25 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(self.in_proj_b(x)[0].astype(mx.float32))      # (L, hv)
         decay = mx.exp(-mx.exp(self.A_log.astype(mx.float32))
                        * nn.softplus(self.in_proj_a(x)[0].astype(mx.float32) + self.dt_bias))
-        states, out = delta_rule_tree(parents, state, q, k, v, beta, decay)
+        states, out = delta_rule_tree(walk, state, q, k, v, beta, decay)
         if cache is not None:
-            cache.stash(layer, inputs, states, parents)
+            cache.stash(layer, inputs, states, walk.parents)
         z = self.in_proj_z(x).reshape(1, L, self.hv, self.dv)
         y = self.norm(out[None], z).astype(x.dtype)
         return self.out_proj(y.reshape(1, L, -1))
 
 
-def delta_rule_tree(parents: np.ndarray, state: mx.array, q, k, v, beta, decay
+def delta_rule_tree(walk: RowWalk, state: mx.array, q, k, v, beta, decay
                     ) -> tuple[list[mx.array], mx.array]:
     """The gated delta rule per row, each from its parent's state (the committed `state` for a
     row whose parent is outside the block), depth by depth: S = decay * S_parent; S += k (beta
     (v - S^T k))^T; out = S^T q. Returns every row's state (hv, dk, dv) and the outputs (L, hv,
     dv)."""
-    depth = np.zeros(len(parents), dtype=np.int64)
-    for i, p in enumerate(parents):
-        depth[i] = depth[p] + 1 if p >= 0 else 0
-    states: list[Optional[mx.array]] = [None] * len(parents)
-    outs: list[Optional[mx.array]] = [None] * len(parents)
-    for d in range(int(depth.max()) + 1 if len(parents) else 0):
-        rows = np.flatnonzero(depth == d)
+    states: list[Optional[mx.array]] = [None] * len(walk.parents)
+    outs: list[Optional[mx.array]] = [None] * len(walk.parents)
+    for rows, parents in walk.levels:
         idx = mx.array(rows)
-        prev = mx.stack([state if parents[r] < 0 else states[parents[r]] for r in rows])
+        prev = mx.stack([state if p < 0 else states[p] for p in parents])
         s = prev * decay[idx][:, :, None, None]
         kr, vr = k[idx], v[idx]
         remembered = (s * kr[..., None]).sum(-2)                          # (n, hv, dv)
@@ -263,12 +280,11 @@ class HybridBlock(nn.Module):
         self.mlp = SharedExpertMoE(args) if args.is_moe_layer(layer) else MLP(args)
         self.input_layernorm = GemmaRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.sliding = False
 
-    def __call__(self, x, positions, mask, cache, layer, first_key=0):
+    def __call__(self, x, positions, mask, cache, layer, walk: RowWalk):
         h = self.input_layernorm(x)
         if self.linear:
-            h = x + self.linear_attn(h, mask, cache, layer)
+            h = x + self.linear_attn(h, walk, cache, layer)
         else:
             h = x + self.self_attn(h, positions, mask, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -281,6 +297,19 @@ class HybridModel(Model):
     # The decay parameters the recurrent state compounds every token: kept in fp32, as
     # mlx_lm keeps A_log (bf16 rounding would compound through every step).
     FULL_PRECISION: ClassVar[tuple[str, ...]] = ("A_log", "dt_bias")
+
+    def run_layers(self, h: mx.array, cache: Optional["HybridCache"] = None,
+                   positions: Optional[mx.array] = None, mask=None) -> mx.array:
+        """The decoder layers; the block's tree walk is derived once for all linear layers
+        (no sliding windows here)."""
+        L = h.shape[1]
+        pos = (cache.offset if cache is not None else 0) if positions is None else positions
+        walk = RowWalk.of(mask, L, self.args.linear_conv_kernel_dim)
+        if mask is None and L > 1:
+            mask = "causal"
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, pos, mask, cache, i, walk)
+        return h
 
     def make_cache(self, max_len: Optional[int] = None,
                    dtype: Optional[mx.Dtype] = None) -> "HybridCache":
