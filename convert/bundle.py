@@ -100,13 +100,14 @@ def _check_weights_match_config(src: Source) -> None:
     tensors counted as stacked; shapes of an already quantized source are packed, so only
     names are checked there)."""
     args = model_args(src.config)
-    expected = dict(tree_flatten(build_model(args).parameters()))
+    model = build_model(args)
+    expected = dict(tree_flatten(model.parameters()))
     if args.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     seen: dict = {}
     for f in src.files:
         seen.update(_header(f))
-    seen = build_model(args).checkpoint_names(
+    seen = model.checkpoint_names(
         seen, halves=lambda shape: ([*shape[:-2], shape[-2] // 2, shape[-1]],) * 2)
     if args.experts:
         seen = stack_experts(seen, args.experts, stack=lambda shapes: [len(shapes), *shapes[0]])
