@@ -435,6 +435,39 @@ def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
     assert fallback.next_stretch() == 0 and fallback.stretch == Fallback.FIRST_STRETCH
 
 
+def test_shadow_rule_skips_probes_only_where_the_guesses_say_ar_wins():
+    """With the shadow rule (n-gram drafts only), a stretch that ran to its end with guesses
+    too rarely right is followed by the next stretch at once; guesses right often enough, a
+    stretch cut short, or a fallback without the rule, probe the tree first; a new
+    generation starts with a stretch once tree steps measured slower."""
+    from treegraft_mlx.pricing import Fallback
+
+    def after_stretch(depth: int, hits: int, ran: int = 16) -> int:
+        fallback = Fallback(ar_ms=20.0, depth=depth)
+        for _ in range(Fallback.PROBE):              # tree steps: 1 token in 30 ms
+            assert fallback.next_stretch() == 0
+            fallback.observe_tree(1, 30.0)
+        assert fallback.next_stretch() == Fallback.FIRST_STRETCH
+        for i in range(ran):
+            fallback.observe_shadow(i < hits)
+        fallback.observe_ar(ran, ran * 20.0)
+        return fallback.next_stretch()
+
+    # 1 hit in 16: h = 2/18, about 1.12 tokens a step: 22.5 ms of AR against 30 of tree
+    assert after_stretch(depth=5, hits=1) == 2 * Fallback.FIRST_STRETCH
+    # 6 hits in 16: h = 7/18, about 1.6 tokens a step: 32 ms of AR, the tree may win
+    assert after_stretch(depth=5, hits=6) == 0
+    assert after_stretch(depth=5, hits=0, ran=9) == 0      # ended early: the text loops
+    assert after_stretch(depth=0, hits=0) == 0             # no shadow rule: probe as before
+    fallback = Fallback(ar_ms=20.0, depth=5)
+    fallback.new_text()
+    assert fallback.next_stretch() == 0                   # nothing measured yet: probe
+    for _ in range(Fallback.PROBE):
+        fallback.observe_tree(1, 30.0)
+    fallback.new_text()
+    assert fallback.next_stretch() == Fallback.FIRST_STRETCH
+
+
 def test_call_policy_takes_the_measured_faster_choice_and_explores_the_other():
     from treegraft_mlx.pricing import CallPolicy
 

@@ -53,3 +53,27 @@ def test_deferred_rows_past_the_capacity_grow_the_scores():
     h.defer(0, mx.array(rows), history_module.as_logits)
     want = [reference(rows[p], tokens[p + 1]) for p in range(23)]
     assert np.allclose(h.scores(23), want, atol=1e-4)
+
+
+def test_prefetch_scores_only_the_rows_asked_for_in_one_evaluation():
+    """A drafter's scattered reads are scored in one head evaluation of just those rows (not
+    their 16-row blocks), equal to the block path; the rest of a block is scored when read."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 64, 60).tolist()
+    rows = rng.normal(0, 2, (59, 64)).astype(np.float32)
+    evaluated = []
+
+    def head(h):
+        evaluated.append(h.shape[0])
+        return h
+
+    h = History(tokens, capacity=64)
+    h.defer(0, mx.array(rows[:40]), head)
+    h.defer(40, mx.array(rows[40:]), head)
+    want = [reference(rows[p], tokens[p + 1]) for p in range(59)]
+    h.prefetch([3, 17, 17, 45, 58, 59, 200])      # repeats and positions past the end ignored
+    assert evaluated == [4]
+    assert all(h.logprob(p) == pytest.approx(want[p], abs=1e-4) for p in (3, 17, 45, 58))
+    assert evaluated == [4]                         # read back without evaluating again
+    assert h.logprob(4) == pytest.approx(want[4], abs=1e-4) and evaluated[1:] == [16]
+    assert np.allclose(h.scores(59), want, atol=1e-4)

@@ -101,6 +101,24 @@ def test_ngram_index_incremental_equals_rebuilt():
     assert all(tuple(tokens[e - 2:e + 1]) == gram for e in inc.occurrences(gram))
 
 
+def test_ngram_guess_is_what_followed_the_longest_earlier_match():
+    """The shadow guess a plain AR step makes: the token after the most recent earlier
+    occurrence of the longest suffix that occurred before (the suffix itself excluded)."""
+    index = NgramIndex(3)
+    tokens = [1, 2, 3, 9, 5, 2, 3, 8, 4, 2, 3]
+    index.extend(tokens)
+    assert index.guess(tokens) == 8          # "2 3" last seen at 6, followed by 8 ("1 2 3": none)
+    tokens += [7]
+    index.extend(tokens)
+    assert index.guess(tokens) == -1         # 7 never occurred before
+    tokens = [4, 1, 2, 1, 2, 5, 1, 2]
+    index = NgramIndex(3)
+    index.extend(tokens)
+    assert index.guess(tokens) == 5          # "5 1 2" occurred only here; "1 2" last at 4
+    index.extend(tokens + [6])               # an index ahead of the tokens asked about
+    assert index.guess(tokens) == 5
+
+
 def history_of(tokens):
     h = History(tokens, capacity=len(tokens) + 8)
     return h

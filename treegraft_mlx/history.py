@@ -7,8 +7,9 @@ token fell outside the target's top-10 scores the 10th value minus OUTSIDE_TOP_P
 the acceptance estimates were calibrated with, when the history kept whole top-10 rows.
 
 Rows that only AR steps and the prompt produced are kept as the target's final hidden states
-and scored when a drafter first reads their block: a row's logits cost a pass over the whole
-vocabulary, and neither the first token nor a plain AR step should wait for them.
+and scored when a drafter first reads them (the rows one build reads, together: `prefetch`;
+else their 16-row block): a row's logits cost a pass over the whole vocabulary, and neither
+the first token nor a plain AR step should wait for them.
 """
 
 from __future__ import annotations
@@ -109,10 +110,31 @@ class History:
                 self.keep(start, lps[at:at + n])
                 at += n
 
+    def prefetch(self, positions: Sequence[int]) -> None:
+        """Score the deferred rows among `positions`, and only those, in one evaluation per
+        head: a drafter that reads rows scattered over a long prompt would otherwise compute
+        one 16-row block per position read, each a pass over the head's weights (measured
+        here: 38 blocks of a 600-token prompt, 150-190 ms for one n-gram build)."""
+        wanted = {p for p in positions if 0 <= p < len(self.lp) and self.lp[p] != self.lp[p]
+                  and p // LAZY_BLOCK in self._deferred and p + 1 < len(self.tokens)}
+        rows: dict[int, tuple[Head, list[int], list[mx.array]]] = {}
+        for block in {p // LAZY_BLOCK for p in wanted}:
+            for start, hidden, head in self._deferred[block]:
+                mine = [p for p in range(start, start + hidden.shape[0]) if p in wanted]
+                if mine:
+                    entry = rows.setdefault(id(head), (head, [], []))
+                    entry[1].extend(mine)
+                    entry[2].append(hidden[mx.array(mine) - start])
+        for head, where, parts in rows.values():
+            following = np.array([self.tokens[p + 1] for p in where], dtype=np.int64)
+            lps = followed_logprobs(head(mx.concatenate(parts)), following)
+            self.lp[where] = lps
+
     def logprob(self, position: int) -> float:
         """The target's log-prob of the token that followed `position` (0.0 where never
         scored)."""
-        if self._deferred and position // LAZY_BLOCK in self._deferred:
+        lp = self.lp[position]
+        if lp != lp and self._deferred and position // LAZY_BLOCK in self._deferred:
             self._compute(position // LAZY_BLOCK)
         lp = self.lp[position]
         return 0.0 if lp != lp else float(lp)

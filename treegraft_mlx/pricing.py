@@ -197,6 +197,10 @@ class Fallback:
     stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
     once the tree is faster again, or a new generation starts, stretches restart short. A
     stretch also ends where the text starts to loop (the decoder checks the n-gram index).
+    With `shadow` (drafts from the n-gram drafter alone), a stretch that ran to its end is
+    followed by the next one at once, without probing, when the n-gram drafter's top guesses
+    during it (`observe_shadow`) say a tree step cannot beat AR; a new generation then
+    starts with a stretch too, once tree steps have measured slower (docs/design.md §7.9).
     The AR rate starts from the cost table's AR step and is then measured. Lives on the
     family (per regime and strategy): choices depend on measured times and the committed
     text, never on the target's logits."""
@@ -206,16 +210,25 @@ class Fallback:
     MAX_STRETCH = 256
     EMA = 0.2
 
-    def __init__(self, ar_ms: float):
+    def __init__(self, ar_ms: float, depth: int = 0):
+        """`depth` > 0 turns on the shadow rule for trees of that depth."""
         self.tree = np.zeros(2)                 # moving averages of (tokens, ms) per tree step
         self.ar = np.array([1.0, ar_ms])        # ... per AR step, over stretches
         self.tree_steps = self.ar_stretches = 0
         self.since = 0                          # tree steps since the last decision
         self.stretch = self.FIRST_STRETCH
+        self.depth = depth
+        self.handed = 0                         # the length of the stretch handed out last
+        self.ran = 0                            # ... and how many of its steps ran
+        self.shadow = np.zeros(2)               # (hits, guesses) of the n-gram guess in it
 
     def new_text(self) -> None:
-        """A generation starts: its text, not the last one's, decides how long stretches get."""
-        self.since, self.stretch = 0, self.FIRST_STRETCH
+        """A generation starts: its text, not the last one's, decides how long stretches get.
+        Where the shadow rule may skip probes and tree steps measured slower, it starts with a
+        stretch, whose guesses decide whether a probe follows."""
+        self.since, self.stretch, self.handed = 0, self.FIRST_STRETCH, 0
+        if self.depth and self.tree_steps >= self.PROBE and not self.faster():
+            self.since = self.PROBE
 
     def observe_tree(self, tokens: int, ms: float) -> None:
         self.tree_steps += 1
@@ -224,6 +237,7 @@ class Fallback:
 
     def observe_ar(self, tokens: int, ms: float) -> None:
         """A stretch committed `tokens` in `ms` of wall time."""
+        self.ran = tokens
         self.ar_stretches += 1
         w = max(0.5, 1.0 / self.ar_stretches)
         self.ar += w * (np.array([1.0, ms / tokens]) - self.ar)
@@ -232,16 +246,42 @@ class Fallback:
         """Whether tree steps have measured faster than AR steps."""
         return self.tree[0] * self.ar[1] >= self.tree[1]
 
+    def observe_shadow(self, hit: bool) -> None:
+        """A stretch's AR step: whether the n-gram drafter's top guess for it
+        (NgramIndex.guess, made before the token was read) was the token."""
+        self.shadow += (hit, 1)
+
+    def shadow_says_ar(self) -> bool:
+        """Whether the last stretch's guesses show that a tree step cannot beat AR: a
+        chain of top guesses accepted at the stretch's hit rate h (Laplace-smoothed) commits
+        (1 - h^(depth+1)) / (1 - h) tokens a step, which AR takes less time for than a tree
+        step has measured. That chain bounds what sampled n-gram trees accept here (measured:
+        0.09 drafts a tree step against h = 0.17), so the rule errs towards probing."""
+        if not self.depth or self.tree_steps < self.PROBE:
+            return False
+        h = (self.shadow[0] + 1) / (self.shadow[1] + 2)
+        tokens = (1 - h ** (self.depth + 1)) / (1 - h)
+        return tokens * self.ar[1] < self.tree[1]
+
     def next_stretch(self) -> int:
         """AR steps to take now: 0 (a tree step) except every PROBE tree steps, when AR has
-        measured faster."""
+        measured faster, or right after a stretch whose guesses say so (shadow rule)."""
+        ran_out = 0 < self.handed <= self.ran       # the last stretch ran to its end
+        self.handed = 0
+        if ran_out and self.shadow_says_ar():
+            return self._stretch()
         if self.since < self.PROBE:
             return 0
         self.since = 0
         if self.faster():
             self.stretch = self.FIRST_STRETCH
             return 0
+        return self._stretch()
+
+    def _stretch(self) -> int:
+        """Hand out the next stretch; the one after it is twice as long."""
         n, self.stretch = self.stretch, min(2 * self.stretch, self.MAX_STRETCH)
+        self.handed, self.ran, self.shadow = n, 0, np.zeros(2)
         return n
 
 
@@ -259,6 +299,8 @@ class Learned:
         return self.call_policies.setdefault((sampled, tree, ngram), CallPolicy())
 
     def fallback(self, sampled: bool, tree: "TreeConfig", strategy: str,
-                 ar_ms: float) -> Fallback:
-        """The fallback of an adaptive strategy; its AR rate starts from `ar_ms`."""
-        return self.fallbacks.setdefault((sampled, tree, strategy), Fallback(ar_ms))
+                 ar_ms: float, shadow: bool = False) -> Fallback:
+        """The fallback of an adaptive strategy; its AR rate starts from `ar_ms`; `shadow`:
+        its drafts come from the n-gram drafter alone (Fallback's shadow rule)."""
+        return self.fallbacks.setdefault((sampled, tree, strategy),
+                                         Fallback(ar_ms, tree.depth if shadow else 0))

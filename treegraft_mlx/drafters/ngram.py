@@ -38,6 +38,18 @@ class NgramIndex:
         """Whether the sequence's last n_max tokens (indexed) occurred earlier: a loop."""
         return len(tokens) >= self.n_max and len(self.ends.get(tuple(tokens[-self.n_max:]), ())) > 1
 
+    def guess(self, tokens: list[int]) -> int:
+        """The drafter's top guess for the token after `tokens` (indexed): what followed the
+        most recent earlier occurrence of the longest suffix that occurred before; -1 if
+        none. A dictionary lookup per n: cheap enough for every plain AR step."""
+        last = len(tokens) - 1
+        for n in range(min(self.n_max, last), 0, -1):
+            ends = self.ends.get(tuple(tokens[-n:]), ())
+            earlier = next((e for e in reversed(ends[-2:]) if e < last), -1)
+            if earlier >= 0:
+                return tokens[earlier + 1]
+        return -1
+
     def occurrences(self, gram: tuple[int, ...]) -> Iterator[int]:
         """End positions of `gram`, most recent first (no copy: callers stop early)."""
         return reversed(self.ends.get(gram, ()))
@@ -91,22 +103,34 @@ class NgramDrafter:
                 return found, True
         return found, False
 
+    def chosen(self, tree: DraftTree, parent: int, history: History,
+               chain_len: int) -> tuple[list[tuple[int, int, list[int]]], bool]:
+        """The continuations one frontier parent gets, in insertion order (longer match,
+        more recent, smaller first token; at most top_k distinct first tokens), and whether
+        enough were found (False terminates the parent)."""
+        tokens = history.tokens
+        query = tokens[-self.n_max:] + tree.path_tokens(parent)[1:]
+        existing = {tree.token[c] for c in tree.children_of(parent)}
+        found, enough = self.candidates(query, chain_len, tokens, existing)
+        found.sort(key=lambda f: (-f[0], -f[1], f[2][0]))
+        firsts, kept = set(existing), []
+        for n, end, cont in found:
+            if cont[0] not in firsts and len(firsts) >= self.top_k:
+                continue
+            firsts.add(cont[0])
+            kept.append((n, end, cont[:self.depth - tree.depth[parent]]))
+        return kept, enough
+
     def expand(self, tree: DraftTree, frontier: list[int], layer: int, history: History) -> list[int]:
         chain_len = max(1, self.n_max - (layer - 1))
         cap = build_cap(self.top_k, self.depth)
-        tokens = history.tokens
-        for parent in frontier:
-            if tree.depth[parent] >= self.depth:
-                continue
-            query = tokens[-self.n_max:] + tree.path_tokens(parent)[1:]
-            existing = {tree.token[c] for c in tree.children_of(parent)}
-            found, enough = self.candidates(query, chain_len, tokens, existing)
-            found.sort(key=lambda f: (-f[0], -f[1], f[2][0]))
-            firsts = set(existing)
-            for n, end, cont in found:
-                if cont[0] not in firsts and len(firsts) >= self.top_k:
-                    continue
-                firsts.add(cont[0])
+        parents = [p for p in frontier if tree.depth[p] < self.depth]
+        chosen = [self.chosen(tree, p, history, chain_len) for p in parents]
+        # The target's scores where the matches saw their tokens, in one evaluation.
+        history.prefetch([end + j for kept, _ in chosen for _, end, cont in kept
+                          for j in range(len(cont))])
+        for parent, (kept, enough) in zip(parents, chosen):
+            for n, end, cont in kept:
                 node = parent
                 for j, tok in enumerate(cont):
                     if len(tree) >= cap or tree.depth[node] >= self.depth:
