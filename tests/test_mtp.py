@@ -212,8 +212,8 @@ def test_mtp_and_treegraft_are_token_identical_to_ar(headed):
 def test_turns_reuse_the_prefix_stop_inside_a_block_and_drafts_are_accepted(fitted, monkeypatch):
     """Three chat turns on one session (the head's cache rewound with the target's), a stop
     string inside an accepted block, and a turn after it: what fresh `ar` generations give.
-    The head drafts on every step (the call policy forced to call) and its drafts are
-    accepted."""
+    The head drafts on every step (the call policy forced to call), hears every committed
+    position (its cache never restarts at a gap) and its drafts are accepted."""
     from treegraft_mlx.pricing import CallPolicy
 
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
@@ -226,6 +226,7 @@ def test_turns_reuse_the_prefix_stop_inside_a_block_and_drafts_are_accepted(fitt
             got = generate(family, text, strategy, max_tokens=24, session=session)
             assert got.token_ids == want.token_ids, (turn, strategy)
             assert got.drafter_calls > 0
+            assert session.mtp.base == 0         # fed every committed position: no restart
             if strategy == "mtp":                     # every draft there is the head's
                 accepted += sum(s.accepted for s in got.step_stats)
         text = text + got.text + "\nfor j in range(3):\n"
