@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from checkpoints import write_tokenizer
-from test_hybrid import PROMPT, REFERENCES, relative_error
-from test_sampling import exact_pair_distribution
+from test_hybrid import (PROMPT, REFERENCES, first_pairs_chi_square, relative_error,
+                         stop_inside_a_block)
 from treegraft_mlx import generate, load
 from treegraft_mlx.loading import load_model
 from treegraft_mlx.session import Session
@@ -231,13 +231,7 @@ def test_turns_reuse_the_prefix_stop_inside_a_block_and_drafts_are_accepted(fitt
                 accepted += sum(s.accepted for s in got.step_stats)
         text = text + got.text + "\nfor j in range(3):\n"
     assert accepted > 0
-    full = generate(family, PROMPT, "ar", max_tokens=30).text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
-    want = generate(family, PROMPT, "ar", max_tokens=30, stop=[stop])
-    got = generate(family, PROMPT, "mtp", max_tokens=30, stop=[stop], session=session)
-    assert got.text == want.text and stop not in got.text
-    again = generate(family, PROMPT + got.text, "mtp", max_tokens=12, session=session)
-    assert again.token_ids == generate(family, PROMPT + got.text, "ar", max_tokens=12).token_ids
+    stop_inside_a_block(family, session, "mtp", "mtp")
 
 
 @pytest.mark.parametrize("strategy", ["mtp", "treegraft"])
@@ -248,29 +242,11 @@ def test_sampling_with_the_head_is_lossless(overconfident, strategy, monkeypatch
     hand): accepting every sampled draft, or with min(1, 2p/q), gives chi-square 72 in both
     cases; drawing from p instead of the residual after a rejection 22 (`mtp`) and 32."""
     from treegraft_mlx.pricing import CallPolicy
-    from treegraft_mlx.sampling import SamplerSettings
 
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
-    family = load(overconfident, warmup=False)
-    settings = SamplerSettings(temp=1.5, top_k=3)
-    ids = family.tokenizer.encode(PROMPT)
-    exact = exact_pair_distribution(family.target, ids, settings)
-    keys = sorted(exact)
-    counts = np.zeros(len(keys))
-    session = Session(family, family.tree)
-    calls = 0
-    for seed in range(400):
-        out = generate(family, ids, strategy, max_tokens=2, temp=1.5, top_k=3, seed=seed,
-                       session=session)
-        pair = tuple(out.token_ids)
-        assert pair in exact, f"seed {seed}: {pair}, which the target never samples"
-        counts[keys.index(pair)] += 1
-        calls += out.drafter_calls
-    assert calls >= 400                              # the head drafted on every step
-    probs = np.array([exact[k] for k in keys])
-    expected = probs * counts.sum()
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert len(keys) == 9 and chi2 < 26.12          # df 8, alpha 0.001
+    pairs, chi2, calls = first_pairs_chi_square(load(overconfident, warmup=False), strategy)
+    assert calls >= 400                             # the head drafted on every step
+    assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001
 
 
 def test_the_head_survives_convert_and_quantization(headed, tmp_path):
