@@ -500,7 +500,7 @@ class ArForward:
     goes to `saw` (Session.saw: an MTP head drafts from it)."""
 
     def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
-                 saw: Callable[[int, mx.array], None] = lambda start, hidden: None):
+                 saw: Callable[[int, mx.array], None]):
         self.target, self.cache, self.settings, self.key = target, cache, settings, key
         self.saw = saw
 

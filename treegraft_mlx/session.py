@@ -1,8 +1,9 @@
 """What survives between generations of one conversation, and the prefill that reuses it.
 
 The target's KV cache, the history (tokens and the target's scores of them) and the drafters'
-state stay alive across turns; a target's MTP head hears every committed hidden state (`saw`). A new prompt reuses the longest prefix it shares with what is
-committed, so a chat turn only prefills its new tokens.
+state stay alive across turns; a target's MTP head hears every committed hidden state (`saw`).
+A new prompt reuses the longest prefix it shares with what is committed, so a chat turn only
+prefills its new tokens.
 """
 
 from __future__ import annotations
