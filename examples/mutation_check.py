@@ -57,8 +57,10 @@ class Mutant:
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- verify.py: the verification forward -------------------------------------------------
-    Mutant("verify-pad-not-sliced", V, "return logits[0, :n] if pad else logits[0]",
-           "return logits[0]", "dropped pad handling: the inert pad rows' logits are returned too"),
+    Mutant("verify-pad-not-sliced", V,
+           "hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0, :n]",
+           "hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0]",
+           "dropped pad handling: the inert pad rows' logits are returned too"),
     Mutant("verify-positions-plus-one", V, "positions=positions(parent, ctx),",
            "positions=positions(parent, ctx + 1),", "tree positions off by one (root at ctx + 1)"),
     # --- verify.py: greedy acceptance ---------------------------------------------------------
@@ -171,8 +173,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "acc = accept(tree, logits, SamplerSettings(), rng)",
            "the tree step accepts with default (greedy) settings whatever the regime", LOSSLESS),
     Mutant("decoder-drops-padding", E,
-           "logits = verify(session.family.target, session.cache, tree, rows)",
-           "logits = verify(session.family.target, session.cache, tree)",
+           "logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows)",
+           "logits, hidden = verify_hidden(session.family.target, session.cache, tree)",
            "the chosen padded block size is ignored (performance only, outputs unchanged)"),
 )
 

@@ -527,7 +527,7 @@ def test_the_chain_ends_where_the_policy_says_it_stops_paying(family):
         policy.peek = lambda bucket: True
         policy.observe_token = lambda ms: None
         policy.token_ms = token_ms
-        key = (False, family.tree, False)
+        key = (False, family.tree, False, "draft")
         family.learned.call_policies[key] = policy
         try:
             res = generate(family, prompt, "draft", max_tokens=24)
@@ -547,7 +547,8 @@ def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
 
     policy = CallPolicy()
     monkeypatch.setattr(policy, "choose", lambda bucket: True)
-    monkeypatch.setitem(family.learned.call_policies, (False, family.tree, False), policy)
+    monkeypatch.setitem(family.learned.call_policies, (False, family.tree, False, "draft"),
+                        policy)
     ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
     assert len(ids) > CallPolicy.STEADY_LAG
     dec = make_decoder(Session(family), parse_strategy("draft"), SamplerSettings(),

@@ -150,12 +150,19 @@ def test_turns_reuse_the_prefix_and_stop_inside_a_block(checkpoint):
         got = generate(family, text, "treegraft", max_tokens=24, session=session)
         assert got.token_ids == want.token_ids, turn
         text = text + got.text + "\nfor j in range(3):\n"
+    stop_inside_a_block(family, session, "ngram", "treegraft")
+
+
+def stop_inside_a_block(family, session: Session, strategy: str, after: str) -> None:
+    """On a used session, `strategy` stopped by a string inside an accepted block gives what
+    `ar` gives, and a turn of `after` that continues the text (rewound to before the stop)
+    too."""
     full = generate(family, PROMPT, "ar", max_tokens=30).text
     stop = full[len(full) // 2:len(full) // 2 + 3]
     want = generate(family, PROMPT, "ar", max_tokens=30, stop=[stop])
-    got = generate(family, PROMPT, "ngram", max_tokens=30, stop=[stop], session=session)
+    got = generate(family, PROMPT, strategy, max_tokens=30, stop=[stop], session=session)
     assert got.text == want.text and stop not in got.text
-    again = generate(family, PROMPT + got.text, "treegraft", max_tokens=12, session=session)
+    again = generate(family, PROMPT + got.text, after, max_tokens=12, session=session)
     assert again.token_ids == generate(family, PROMPT + got.text, "ar", max_tokens=12).token_ids
 
 
@@ -270,25 +277,34 @@ def test_sampling_on_a_hybrid_is_lossless(dense, strategy, monkeypatch):
     distribution: chi-square over 400 seeds, alpha 0.001. Measured power: test_lossless's
     `follows_the_argmax` injected gives chi-square 501 in both cases."""
     from treegraft_mlx.pricing import CallPolicy
-    from treegraft_mlx.sampling import SamplerSettings
 
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+    pairs, chi2, _ = first_pairs_chi_square(load(dense, drafters=[dense], warmup=False),
+                                            strategy)
+    assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001
 
-    family = load(dense, drafters=[dense], warmup=False)
-    settings = SamplerSettings(temp=1.5, top_k=3)
+
+def first_pairs_chi_square(family, strategy: str, seeds: int = 400) -> tuple[int, float, int]:
+    """The first two tokens `strategy` samples after PROMPT (temperature 1.5, top-k 3) over
+    `seeds` seeds on one session, against the target's exact distribution of them: (pairs
+    the target can sample, chi-square, drafter forwards run). A pair the target never
+    samples fails at once, with its seed."""
+    from treegraft_mlx.sampling import SamplerSettings
+
     ids = family.tokenizer.encode(PROMPT)
-    exact = exact_pair_distribution(family.target, ids, settings)
+    exact = exact_pair_distribution(family.target, ids, SamplerSettings(temp=1.5, top_k=3))
     keys = sorted(exact)
     counts = np.zeros(len(keys))
-    session = Session(family, family.tree)
-    for seed in range(400):
+    session, calls = Session(family, family.tree), 0
+    for seed in range(seeds):
         out = generate(family, ids, strategy, max_tokens=2, temp=1.5, top_k=3, seed=seed,
                        session=session)
-        counts[keys.index(tuple(out.token_ids))] += 1
-    probs = np.array([exact[k] for k in keys])
-    expected = probs * counts.sum()
-    chi2 = float(((counts - expected) ** 2 / expected).sum())
-    assert len(keys) == 9 and chi2 < 26.12          # df 8, alpha 0.001
+        pair = tuple(out.token_ids)
+        assert pair in exact, f"seed {seed}: {pair}, which the target never samples"
+        counts[keys.index(pair)] += 1
+        calls += out.drafter_calls
+    expected = np.array([exact[k] for k in keys]) * counts.sum()
+    return len(keys), float(((counts - expected) ** 2 / expected).sum()), calls
 
 
 def test_pipeline_refuses_a_hybrid_target(checkpoint):

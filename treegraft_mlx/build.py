@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from .drafters import Drafter, Drafters, ModelDrafter
+from .drafters import ChainDrafter, Drafter, Drafters
 from .family import TreeConfig
 from .history import History
 from .scheduler import LayerState, Schedule
@@ -55,7 +55,7 @@ class TreeBuild:
                     yield ahead[i].state(layer, cfg, history)
 
             t0 = time.perf_counter()
-            k = schedule.first_call(states(), len(drafters.all))
+            k = schedule.first_call(states(), len(drafters.expanders))
             j = len(ahead) - 1 if k is None else k
             self.t_schedule += time.perf_counter() - t0 - grow_s[j]
             self.tree, self.frontier = ahead[j].tree, ahead[j].frontier
@@ -68,32 +68,33 @@ class TreeBuild:
             self.grow(drafters.strong, todo[k], history)
             todo = todo[k + 1:]
 
-    def graft_chain(self, strong: ModelDrafter, k: int, cfg: TreeConfig, history: History,
+    def graft_chain(self, drafter: ChainDrafter, k: int, cfg: TreeConfig, history: History,
                     pays: Optional[Callable[[DraftTree, list[int]], bool]] = None,
                     sample: Optional[Callable[[np.ndarray], tuple[int, np.ndarray]]] = None
                     ) -> None:
-        """The strong drafter drafts up to k tokens after the root, one row per forward (cheap
-        where a tree-mask call over many nodes is not), grafted into the tree built so far.
-        With `pays`, each token is grafted as it is drafted, with S's runners-up at its place
-        as leaves (width the forward already paid for; the sizing verifies those worth a
-        row), and the chain ends where `pays(tree, chain path)` says the next token is not
-        worth its forward; with `sample` as well, the chain's tokens are sampled drafts
-        (ModelDrafter.draft_chain), each kept with its distribution in `tree.proposal`."""
+        """A chain drafter (the strong drafter, or the target's MTP head) drafts up to k
+        tokens after the root, one row per forward (cheap where a tree-mask call over many
+        nodes is not), grafted into the tree built so far. With `pays`, each token is grafted
+        as it is drafted, with the drafter's runners-up at its place as leaves (width the
+        forward already paid for; the sizing verifies those worth a row), and the chain ends
+        where `pays(tree, chain path)` says the next token is not worth its forward; with
+        `sample` as well, the chain's tokens are sampled drafts (ModelDrafter.draft_chain),
+        each kept with its distribution in `tree.proposal`."""
         cap = build_cap(cfg.top_k, max(k, cfg.depth))
         if pays is None:
-            tokens, logps = strong.draft_chain(self.tree.token[0], k, history)
+            tokens, logps = drafter.draft_chain(self.tree.token[0], k, history)
             self.chain_path = graft_chain(self.tree, tokens, logps, cap)
         else:
             path = self.chain_path = [0]
-            strong.draft_chain(self.tree.token[0], k, history,
-                               lambda toks, lps, q: extend_chain(self.tree, path, toks, lps,
-                                                                 cap, q)
-                               and pays(self.tree, path), sample)
-        self.used.append(strong.name)
+            drafter.draft_chain(self.tree.token[0], k, history,
+                                lambda toks, lps, q: extend_chain(self.tree, path, toks, lps,
+                                                                  cap, q)
+                                and pays(self.tree, path), sample)
+        self.used.append(drafter.name)
 
     @property
     def chain(self) -> int:
-        """Drafts the strong drafter chained from the root."""
+        """Drafts the chain drafter chained from the root."""
         return max(0, len(self.chain_path) - 1)
 
     def chain_drafts(self) -> tuple[list[int], list[float]]:

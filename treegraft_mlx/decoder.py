@@ -10,9 +10,11 @@ statistics are shared (generate.stream). Strategies by name:
   draft                   endpoint S: the strong drafter's greedy chain where the measured
                           call policy calls, each token drafted while it pays (CallPolicy);
                           no call is an AR step
+  mtp                     the target's MTP head's chain alone, priced as `draft` prices S's
   treegraft               the shared tree: the n-gram tree with the strong drafter's chain
                           grafted in from the root where the call policy calls for the
-                          n-gram plan's bucket, each token drafted while it pays
+                          n-gram plan's bucket, each token drafted while it pays; on a
+                          target with an MTP head, the head's chain instead of S's
   treegraft-learned       the paper's schedule: the family's learned scheduler decides which
                           layers the strong drafter expands with a tree-mask call (its
                           sampling-calibrated one when sampling, if the bundle has one)
@@ -29,7 +31,7 @@ distribution); a fixed budget repeats exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -45,7 +47,7 @@ from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
 from .tree import SOURCES, DraftTree, Plan, prune
-from .verify import Acceptance, accept, verify
+from .verify import Acceptance, accept, verify_hidden
 
 DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
@@ -97,11 +99,13 @@ class Strategy:
     priced: bool = False                        # call when the estimates say it pays
     ngram: bool = True                          # the n-gram drafter builds the tree
     strong_chain: bool = False                  # graft S's greedy chain from the root
+    mtp_chain: bool = False                     # graft the target's MTP head's chain instead
 
     @property
     def ngram_only(self) -> bool:
         """Whether every draft comes from the n-gram drafter."""
-        return self.kind == "tree" and self.ngram and not self.needs_strong
+        return (self.kind == "tree" and self.ngram and not self.needs_strong
+                and not self.mtp_chain)
 
     @property
     def needs_strong(self) -> bool:
@@ -110,7 +114,7 @@ class Strategy:
                                          or self.strong_chain))
 
 
-STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned",
+STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "mtp", "treegraft", "treegraft-learned",
                   "treegraft-fixed:<layers>")
 
 
@@ -126,6 +130,8 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
         return Strategy(name, "tree")
     if name == "draft":
         return Strategy(name, "tree", ngram=False, strong_chain=True, priced=True)
+    if name == "mtp":
+        return Strategy(name, "tree", ngram=False, mtp_chain=True, priced=True)
     if name == "treegraft":
         return Strategy(name, "tree", strong_chain=True, priced=True)
     if name == "treegraft-learned":
@@ -133,6 +139,15 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     if name.startswith("treegraft-fixed:"):
         return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
+
+
+def on_target(strategy: Strategy, has_mtp: bool) -> Strategy:
+    """The strategy as it runs on a target: `treegraft` grafts the target's MTP head's chain
+    where the target ships one (one decoder layer reading the target's own hidden state, far
+    cheaper than a small LM's forward) instead of the strong drafter's (docs/design.md §19)."""
+    if strategy.name == "treegraft" and has_mtp:
+        return replace(strategy, strong_chain=False, mtp_chain=True)
+    return strategy
 
 
 class Decoder:
@@ -149,18 +164,26 @@ class Decoder:
         strategies; `timing`: the learned scheduler's T_tgt/T_mid (probe.scheduler_timing),
         needed by `treegraft-learned` when the family has a scheduler; `trace` receives one
         line per step and per stretch decision."""
+        strategy = on_target(strategy, session.mtp is not None)
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.trace = trace
         self.target = session.family.target
         self.clock = session.family.clock
         if strategy.needs_strong and session.strong is None:
             raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+        if strategy.mtp_chain and session.mtp is None:
+            raise ValueError(f"strategy {strategy.name!r} needs the target's multi-token-"
+                             "prediction head (Qwen 3.5 / Qwen3-Next `mtp.*` weights, which "
+                             "mlx_lm's converter drops); this target has none")
         if (strategy.combine_layers or strategy.learned) and getattr(strong_model(session),
                                                                      "RECURRENT", False):
             raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
                              "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
                              "draft, treegraft or chain")
-        self.drafters = Drafters(session.ngram, session.strong if strategy.needs_strong else None)
+        self.drafters = Drafters(session.ngram, session.strong if strategy.needs_strong else None,
+                                 session.mtp if strategy.mtp_chain else None)
+        # The drafter whose chain a step grafts from the root: the MTP head or S.
+        self.chainer = self.drafters.mtp if strategy.mtp_chain else self.drafters.strong
         self.schedule: Schedule = FixedSchedule(strategy.combine_layers)
         family = session.family
         if schedule is not None:
@@ -182,7 +205,7 @@ class Decoder:
             # What each chain length measured keeps learning across generations, per regime,
             # tree shape and strategy (with or without the n-gram tree).
             self.calls = family.learned.call_policy(not settings.greedy, session.tree,
-                                                    strategy.ngram)
+                                                    strategy.ngram, self.chainer.name)
         if self.sizer is not None:
             self.fallback: Fallback = family.learned.fallback(
                 not settings.greedy, session.tree, strategy.name, costs.ar_ms,
@@ -198,7 +221,7 @@ class Decoder:
 
     @property
     def drafter_calls(self) -> int:
-        """Strong-drafter forwards this generation ran."""
+        """Model-drafter forwards (strong drafter, MTP head) this generation ran."""
         return self._drafter_forwards() - self._calls_before
 
     def _record(self, stats: StepStats) -> None:
@@ -228,7 +251,7 @@ class Decoder:
 
     def _forward(self) -> "ArForward":
         key = mx.random.key(int(self.rng.integers(2**31)))
-        return ArForward(self.target, self.session.cache, self.settings, key)
+        return ArForward(self.target, self.session.cache, self.settings, key, self.session.saw)
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
@@ -252,8 +275,8 @@ class Decoder:
             return build
         if self.strategy.ngram:
             build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
-        if self.strategy.strong_chain:
-            build.graft_chain(self.drafters.strong, cfg.depth, cfg, history)
+        if self.strategy.strong_chain or self.strategy.mtp_chain:
+            build.graft_chain(self.chainer, cfg.depth, cfg, history)
         return build
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
@@ -427,9 +450,9 @@ class Decoder:
         bucket = self.calls.bucket(plan.expected)
         called = self.calls.choose(bucket) and not in_flight
         build.t_schedule = self.clock() - t0       # the policy's own work
-        steady = self.drafters.strong.lag(history) <= self.calls.STEADY_LAG
+        steady = self.chainer.lag(history) <= self.calls.STEADY_LAG
         if called:
-            build.graft_chain(self.drafters.strong, self.calls.MAX_CHAIN, cfg, history,
+            build.graft_chain(self.chainer, self.calls.MAX_CHAIN, cfg, history,
                               self._chain_pays,
                               None if self.settings.greedy else self._sampled_draft)
             # The chain's tokens are priced at their measured acceptance where that is higher.
@@ -485,16 +508,20 @@ class Queued:
 class ArForward:
     """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
     or the processed distribution with the next key), all evaluated asynchronously, so the
-    host can queue the following forward or draft while it runs."""
+    host can queue the following forward or draft while it runs. The token's hidden state
+    goes to `saw` (Session.saw: an MTP head drafts from it)."""
 
-    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array):
+    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
+                 saw: Callable[[int, mx.array], None]):
         self.target, self.cache, self.settings, self.key = target, cache, settings, key
+        self.saw = saw
 
     def __call__(self, token: mx.array) -> Queued:
         target, tokens, hidden = self.target, token.reshape(1, 1), None
         if hasattr(target, "run_layers"):
             hidden = target.run_layers(target.embed(tokens), self.cache)[0]
             logits = target.head(hidden[None])[0, -1]
+            self.saw(self.cache.offset, hidden)
         else:
             logits = target(tokens, cache=self.cache)[0, -1]
         self.cache.commit()
@@ -505,12 +532,15 @@ class ArForward:
 
 
 def commit(session: Session, drafters: Drafters, tree: DraftTree, logits: mx.array,
-           acc: Acceptance) -> list[int]:
-    """Commit the accepted path: compact the target cache, score the path's positions,
-    extend the history and tell the drafters. Returns what the history gained: the
-    accepted drafts, then the bonus."""
+           acc: Acceptance, hidden: Optional[mx.array] = None) -> list[int]:
+    """Commit the accepted path: compact the target cache, hand the path's `hidden` states
+    (if the target exposed them) to the session, score the path's positions, extend the
+    history and tell the drafters. Returns what the history gained: the accepted drafts,
+    then the bonus."""
     history = session.history
     session.cache.keep(acc.path)
+    if hidden is not None:
+        session.saw(history.committed, hidden[mx.array(acc.path)])
     block = [tree.token[i] for i in acc.path]
     following = block[1:] + [acc.bonus]
     history.record(history.committed, logits[mx.array(acc.path)], following)
@@ -536,11 +566,11 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
     """The step every loop shares (decoding and both calibrations): verify `tree` in one
     forward of `rows` rows, accept by the regime's rule, commit."""
     t0 = clock()
-    logits = verify(session.family.target, session.cache, tree, rows)
+    logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows)
     mx.eval(logits)
     t1 = clock()
     acc = accept(tree, logits, settings, rng)
-    block = commit(session, drafters, tree, logits, acc)
+    block = commit(session, drafters, tree, logits, acc, hidden)
     return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
 
 

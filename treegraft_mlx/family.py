@@ -87,6 +87,11 @@ class Family:
         """The strong drafter model (the last one named), or None."""
         return list(self.drafters.values())[-1] if self.drafters else None
 
+    @property
+    def mtp(self):
+        """The target's multi-token-prediction head (models/mtp.py), or None."""
+        return getattr(self.target, "mtp", None)
+
 
 def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
     """Drafts are token ids: a drafter must share the target's vocabulary exactly."""

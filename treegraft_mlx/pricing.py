@@ -294,9 +294,11 @@ class Learned:
     call_policies: dict = field(default_factory=dict)
     fallbacks: dict = field(default_factory=dict)
 
-    def call_policy(self, sampled: bool, tree: "TreeConfig", ngram: bool) -> CallPolicy:
-        """The call policy of a priced strategy (with or without the n-gram tree)."""
-        return self.call_policies.setdefault((sampled, tree, ngram), CallPolicy())
+    def call_policy(self, sampled: bool, tree: "TreeConfig", ngram: bool,
+                    drafter: str) -> CallPolicy:
+        """The call policy of a priced strategy (with or without the n-gram tree) and of the
+        drafter whose chain it prices (the strong drafter, or the MTP head)."""
+        return self.call_policies.setdefault((sampled, tree, ngram, drafter), CallPolicy())
 
     def fallback(self, sampled: bool, tree: "TreeConfig", strategy: str,
                  ar_ms: float, shadow: bool = False) -> Fallback:

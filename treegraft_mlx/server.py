@@ -235,7 +235,8 @@ class Generator:
         """GET /treegraft/config: what a client (the chat page) shows as the defaults."""
         cfg, defaults = self.config, SamplerSettings()
         names = [n for n in STRATEGY_NAMES if "<" not in n and
-                 (self.family.strong is not None or not parse_strategy(n).needs_strong)]
+                 (self.family.strong is not None or not parse_strategy(n).needs_strong) and
+                 (self.family.mtp is not None or not parse_strategy(n).mtp_chain)]
         if cfg.strategy not in names:
             names.insert(0, cfg.strategy)
         return {"model": cfg.model_id, "strategy": cfg.strategy, "strategies": names,

@@ -1,8 +1,9 @@
 """What survives between generations of one conversation, and the prefill that reuses it.
 
 The target's KV cache, the history (tokens and the target's scores of them) and the drafters'
-state stay alive across turns. A new prompt reuses the longest prefix it shares with what is
-committed, so a chat turn only prefills its new tokens.
+state stay alive across turns; a target's MTP head hears every committed hidden state (`saw`).
+A new prompt reuses the longest prefix it shares with what is committed, so a chat turn only
+prefills its new tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .drafters import ModelDrafter, NgramDrafter
+from .drafters import ModelDrafter, MtpDrafter, NgramDrafter
 from .family import Family, TreeConfig
 from .history import History, as_logits
 from .sampling import SamplerSettings, pick
@@ -39,6 +40,15 @@ class Session:
         self.ngram = NgramDrafter(t.n_max, t.top_k, t.depth)
         self.strong = (ModelDrafter(family.strong, "draft", t.top_k, t.depth, t.lookback)
                        if family.strong is not None else None)
+        self.mtp = (MtpDrafter(family.target, t.top_k, t.depth)
+                    if family.mtp is not None else None)
+
+    def saw(self, start: int, hidden: mx.array) -> None:
+        """The target's last-layer hidden states (L, H) of positions start, ..., just
+        committed: the MTP head's input, kept whatever the strategy (one row a position, as
+        the history keeps the prompt's) so that any later turn can draft with it."""
+        if self.mtp is not None:
+            self.mtp.feed(start, hidden)
 
     def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
         """Run one chunk of the prompt into the cache; its rows' scores are deferred
@@ -55,6 +65,7 @@ class Session:
             return logits[-1]
         hidden = target.run_layers(target.embed(tokens), self.cache)[0]
         self.cache.commit()
+        self.saw(start, hidden)
         last = target.head(hidden[None, -1:])[0, -1]
         mx.eval(hidden, last)
         history.defer(start, hidden, target.head)
@@ -77,6 +88,8 @@ class Session:
         if keep:
             keep = self.cache.rewindable(history.inherit(self.history, keep))
         self.cache.reset(keep)
+        if self.mtp is not None:
+            self.mtp.rewind(keep)
         last = None
         for start in range(keep, len(ids), PREFILL_CHUNK):
             last = self._prefill_chunk(history, start, ids[start:start + PREFILL_CHUNK])

@@ -20,6 +20,7 @@ the residual), and x is accepted with probability 1 - TV(p, q) instead of p(x).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -42,12 +43,22 @@ def verify(target, cache: KVCache, tree: DraftTree, rows: int = 0) -> mx.array:
     seeing only the context and itself) when a bigger block is faster on this device; their
     logits are dropped and `cache.keep` never keeps them.
     """
+    return verify_hidden(target, cache, tree, rows)[0]
+
+
+def verify_hidden(target, cache: KVCache, tree: DraftTree, rows: int = 0
+                  ) -> tuple[mx.array, Optional[mx.array]]:
+    """`verify`'s logits, and the target's last-layer hidden states (N, H) of every node
+    where the target exposes them (None else: a pipeline target's stay on its last rank):
+    what an MTP head drafts from. The same forward as `verify`'s."""
     ctx, n = cache.offset, len(tree)
     pad = max(0, rows - n)
     tokens, parent = tree.token + [tree.token[0]] * pad, tree.parent + [-1] * pad
-    logits = target(mx.array([tokens]), cache=cache, positions=positions(parent, ctx),
-                    mask=attention_mask(parent, ctx))
-    return logits[0, :n] if pad else logits[0]
+    block = dict(cache=cache, positions=positions(parent, ctx), mask=attention_mask(parent, ctx))
+    if not hasattr(target, "run_layers"):
+        return target(mx.array([tokens]), **block)[0, :n], None
+    hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0, :n]
+    return target.head(hidden[None])[0], hidden
 
 
 def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:

@@ -1,7 +1,8 @@
 """Drafters of different cost that expand the one shared draft tree."""
 
-from .base import Drafter, Drafters
+from .base import ChainDrafter, Drafter, Drafters
 from .model import ModelDrafter
+from .mtp import MtpDrafter
 from .ngram import NgramDrafter, NgramIndex
 
-__all__ = ["Drafter", "Drafters", "ModelDrafter", "NgramDrafter", "NgramIndex"]
+__all__ = ["ChainDrafter", "Drafter", "Drafters", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NgramIndex"]

@@ -20,6 +20,8 @@ from ..tree import (NAN, STRONG, DraftTree, ancestor_mask, attention_mask, build
 
 
 LogProbs = Union[mx.array, np.ndarray]   # (rows, V): on the device on a GPU, else on the host
+Sample = Callable[[np.ndarray], tuple[int, np.ndarray]]   # log-probs row -> (token, its q)
+More = Callable[[list[int], list[float], Optional[np.ndarray]], bool]   # go on drafting?
 
 
 def log_softmax_top_k(logits: mx.array, k: int) -> tuple[LogProbs, np.ndarray, np.ndarray]:
@@ -179,9 +181,7 @@ class ModelDrafter:
         return grafted if layer == 1 else grafted[:self.top_k]
 
     def draft_chain(self, root: int, k: int, history: History,
-                    more: Optional[Callable[[list[int], list[float], Optional[np.ndarray]],
-                                            bool]] = None,
-                    sample: Optional[Callable[[np.ndarray], tuple[int, np.ndarray]]] = None
+                    more: Optional[More] = None, sample: Optional[Sample] = None
                     ) -> tuple[list[int], list[float]]:
         """Up to k greedy tokens after the root and S's log-prob of each, one forward per token.
         Without `more`, all k forwards are queued on the device before one readback at the end
@@ -211,16 +211,7 @@ class ModelDrafter:
                 lazy.append((tok, logits))
                 mx.async_eval(block)
                 continue
-            logp, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), self.top_k)
-            best = np.argsort(-top_lp[0], kind="stable")
-            toks, tok_lps, q = top_ids[0, best].tolist(), top_lp[0, best].tolist(), None
-            if sample is not None:
-                row = logp[0] if isinstance(logp, np.ndarray) else np.array(logp[0])
-                tok, q = sample(row)
-                at = toks.index(tok) if tok in toks else len(toks) - 1
-                del toks[at], tok_lps[at]
-                toks.insert(0, tok)
-                tok_lps.insert(0, float(row[tok]))
+            toks, tok_lps, q = chain_token(logits, self.top_k, sample)
             ids.append(toks[0])
             lps.append(tok_lps[0])
             block = mx.array([[ids[-1]]])
@@ -232,6 +223,23 @@ class ModelDrafter:
         self.cache.reset(committed)
         self.calls += len(ids)
         return ids, lps
+
+
+def chain_token(logits: mx.array, top_k: int, sample: Optional[Sample] = None
+                ) -> tuple[list[int], list[float], Optional[np.ndarray]]:
+    """One chain position read back from its logits row (V,): its top_k tokens, best first,
+    with their log-probs, and None; with `sample`, the token it draws first (the runner-up
+    it displaces dropped) and the distribution q it was drawn from."""
+    logp, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), top_k)
+    best = np.argsort(-top_lp[0], kind="stable")
+    toks, tok_lps = top_ids[0, best].tolist(), top_lp[0, best].tolist()
+    if sample is None:
+        return toks, tok_lps, None
+    row = logp[0] if isinstance(logp, np.ndarray) else np.array(logp[0])
+    tok, q = sample(row)
+    at = toks.index(tok) if tok in toks else len(toks) - 1
+    del toks[at], tok_lps[at]
+    return [tok] + toks, [float(row[tok])] + tok_lps, q
 
 
 def chain_logprobs(tokens: mx.array, rows: mx.array) -> tuple[list[int], list[float]]:

@@ -9,7 +9,8 @@ layer reads the tree's parents from the compact tree mask, builds each row's con
 along its path, and runs the delta rule depth by depth from the parents' states (a chain, as in
 a prefill, is the one-row-per-depth case). Every row's state stays pending in the cache
 (`HybridCache`) until the accepted path's is committed. The models know nothing else about
-trees: positions and masks come from the caller, as in decoder.py.
+trees: positions and masks come from the caller, as in decoder.py. A checkpoint's
+multi-token-prediction head is built and loaded where the checkpoint carries it (mtp.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..tree import TreeMask
 from .decoder import MLP, Attention, Model, ModelArgs
 from .gemma import GemmaRMSNorm
 from .moe import MoE
+from .mtp import MtpHead
 from .rope import rope_spec
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -36,7 +38,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 # The norms stored as offsets from 1 (mlx_lm's converter adds the 1 in).
 CENTRED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
-                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight", "mtp.norm.weight",
+                 ".pre_fc_norm_hidden.weight", ".pre_fc_norm_embedding.weight")
 STASH = 64      # a block's last rows whose states stay pending (a tree's rows: all of them)
 SNAPSHOTS = 16  # committed lengths the recurrent state can be rewound to (HybridCache.reset)
 
@@ -52,6 +55,7 @@ class HybridArgs(ModelArgs):
     linear_conv_kernel_dim: int = 4
     shared_expert_intermediate_size: int = 0
     hidden_act: str = "silu"
+    mtp_num_hidden_layers: int = 0        # the MTP head's decoder layers (0: none)
 
     FAMILIES: ClassVar[dict[str, dict[str, Any]]] = FAMILIES
 
@@ -79,6 +83,8 @@ class HybridArgs(ModelArgs):
         self.sliding_window, self.sliding_layers = None, [False] * n
         if self.model_type in MOE_TYPES + ("qwen3_next",) and not self.num_experts:
             raise ValueError(f"{self.model_type} needs num_experts")
+        self.mtp_num_hidden_layers = (self.mtp_num_hidden_layers
+                                      or config.get("num_nextn_predict_layers", 0))
 
     def is_moe_layer(self, layer: int) -> bool:
         """Every layer in Qwen 3.5 MoE; Qwen3-Next as Qwen3-MoE decides (sparse step, MLP-only
@@ -373,11 +379,11 @@ class HybridModel(Model):
         return out
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint names -> this model's (`checkpoint_names`, then experts stacked); the
-        MTP head is not run yet, so it is not loaded. An `mlx_lm`-converted directory stores
-        the convolution as (channels, kernel, 1) and the zero-centred norms with their 1 added:
-        both are undone."""
-        out = {k: v for k, v in self.checkpoint_names(weights).items() if not k.startswith("mtp.")}
+        """Checkpoint names -> this model's (`checkpoint_names`, then experts stacked); the MTP
+        head is built where the checkpoint carries one (`adopt_mtp`). An `mlx_lm`-converted
+        directory stores the convolution as (channels, kernel, 1) and the zero-centred norms
+        with their 1 added: both are undone."""
+        out = self.adopt_mtp(self.checkpoint_names(weights))
         k = self.args.linear_conv_kernel_dim
         converted = any(n.endswith("conv1d.weight") and w.shape[-1] != k for n, w in out.items())
         if converted:
@@ -385,6 +391,23 @@ class HybridModel(Model):
                           w - 1.0 if name.endswith(CENTRED_NORMS) and w.ndim == 1 else w)
                    for name, w in out.items()}
         return super().sanitize(out)
+
+    def adopt_mtp(self, weights: dict) -> dict:
+        """Builds the MTP head (`self.mtp`) where the config names one and the checkpoint
+        carries its weights (mlx_lm's converter drops them but keeps the config key, so the
+        weights decide); returns the weights this model then reads, the head's left out where
+        it is not built (a head of more than one layer: one warning says so)."""
+        names = [n for n in weights if n.startswith("mtp.")]
+        layers = self.args.mtp_num_hidden_layers
+        if names and layers == 1:
+            full = dataclasses.replace(self.args, layer_types=["full_attention"])
+            self.mtp = MtpHead(self.args.hidden_size, self.args.rms_norm_eps,
+                               HybridBlock(full, 0))
+            return weights
+        if names and layers > 1:
+            warnings.warn(f"the MTP head has {layers} layers; only one-layer heads (every "
+                          f"released Qwen 3.5 / Qwen3-Next head) run: its weights are left out")
+        return {n: w for n, w in weights.items() if n not in names}
 
 
 def grouped_rows(w, groups: int, sizes: tuple, shapes: bool) -> list:
