@@ -192,7 +192,8 @@ def test_hostile_model_output_is_rendered_inert(browser, monkeypatch, tmp_path):
     code block shows the markup as text. The page also asks for a missing API key and then
     sends it as a bearer token."""
     monkeypatch.setattr(server_mod, "stream_generate", hostile)
-    family = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), strong=None)
+    family = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), strong=None,
+                             mtp=None)
     with running(family, api_key="k") as srv:
         browser.get(f"http://127.0.0.1:{srv.server_port}/")
         WebDriverWait(browser, WAIT_S).until(
