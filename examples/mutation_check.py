@@ -72,8 +72,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "< vs <= on the 'no child' sentinel (child() never returns the root, index 0)"),
     # --- verify.py: sampled acceptance --------------------------------------------------------
     Mutant("sample-root-row-everywhere", V,
-           "y = draw(host_probs(np.array(logits[node].astype(mx.float32)), settings), rng)",
-           "y = draw(host_probs(np.array(logits[0].astype(mx.float32)), settings), rng)",
+           "p = host_probs(np.array(logits[node].astype(mx.float32)), settings)",
+           "p = host_probs(np.array(logits[0].astype(mx.float32)), settings)",
            "wrong row in the logits: every node draws from the root's distribution", LOSSLESS),
     Mutant("sample-bonus-redrawn", V, "return Acceptance(path, y)",
            "return Acceptance(path, draw(host_probs(np.array(logits[node].astype(mx.float32)),"
@@ -81,9 +81,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "bonus drawn afresh from p, not from the rejected residual (rejected drafts not removed)",
            LOSSLESS),
     Mutant("sample-filters-dropped", V,
-           "y = draw(host_probs(np.array(logits[node].astype(mx.float32)), settings), rng)",
-           "y = draw(host_probs(np.array(logits[node].astype(mx.float32)),"
-           " SamplerSettings(temp=settings.temp)), rng)",
+           "p = host_probs(np.array(logits[node].astype(mx.float32)), settings)",
+           "p = host_probs(np.array(logits[node].astype(mx.float32)),"
+           " SamplerSettings(temp=settings.temp))",
            "acceptance ignores top-k / top-p / min-p (temperature only)", LOSSLESS),
     Mutant("accept-greedy-when-sampling", V, "    return accept_sample(tree, logits, settings, rng)",
            "    return accept_greedy(tree, logits)",
