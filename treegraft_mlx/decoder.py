@@ -540,7 +540,7 @@ def commit(session: Session, drafters: Drafters, tree: DraftTree, logits: mx.arr
     history = session.history
     session.cache.keep(acc.path)
     if hidden is not None:
-        session.saw(history.committed, hidden[mx.array(acc.path)])
+        session.saw(history.committed, hidden, acc.path)
     block = [tree.token[i] for i in acc.path]
     following = block[1:] + [acc.bonus]
     history.record(history.committed, logits[mx.array(acc.path)], following)

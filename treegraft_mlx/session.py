@@ -43,12 +43,14 @@ class Session:
         self.mtp = (MtpDrafter(family.target, t.top_k, t.depth)
                     if family.mtp is not None else None)
 
-    def saw(self, start: int, hidden: mx.array) -> None:
+    def saw(self, start: int, hidden: mx.array, rows: Optional[list[int]] = None) -> None:
         """The target's last-layer hidden states (L, H) of positions start, ..., just
-        committed: the MTP head's input, kept whatever the strategy (one row a position, as
-        the history keeps the prompt's) so that any later turn can draft with it."""
+        committed (`rows` of `hidden` only, where given: a tree step's accepted path): the MTP
+        head's input, kept whatever the strategy (one row a position, as the history keeps
+        the prompt's) so that any later turn can draft with it. Without a head, nothing is
+        gathered."""
         if self.mtp is not None:
-            self.mtp.feed(start, hidden)
+            self.mtp.feed(start, hidden if rows is None else hidden[mx.array(rows)])
 
     def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
         """Run one chunk of the prompt into the cache; its rows' scores are deferred
