@@ -468,85 +468,68 @@ def test_shadow_rule_skips_probes_only_where_the_guesses_say_ar_wins():
     assert fallback.next_stretch() == Fallback.FIRST_STRETCH
 
 
-def test_call_policy_takes_the_measured_faster_choice_and_explores_the_other():
+def test_call_policy_climbs_to_the_measured_fastest_length_and_explores_its_neighbours():
+    """From START, the best measured length and its neighbours are measured first; the climb
+    ends at the fastest length, explores a neighbour in runs of RUN steps every
+    EXPLORE_EVERY-th step, measures only steady steps, and follows a change of the text."""
     from treegraft_mlx.pricing import CallPolicy
 
     policy = CallPolicy()
     poor, rich = policy.bucket(1.0), policy.bucket(3.0)
     assert poor == 0 and rich == len(CallPolicy.EDGES)
-    speed = {False: 1 / 20, True: 1.6 / 24}                         # tokens per ms
-    first = []
-    for _ in range(2 * CallPolicy.TRIES):
-        first.append(policy.choose(poor))
-        policy.observe(poor, first[-1], 1000 * speed[first[-1]], 1000.0)
-    assert first == [False] * CallPolicy.TRIES + [True] * CallPolicy.TRIES
-    seen = []
-    for _ in range(10 * CallPolicy.EXPLORE_EVERY):
-        called = policy.choose(poor)
-        seen.append(called)
-        policy.observe(poor, called, 1000 * speed[called], 1000.0)
-    explored = np.flatnonzero(~np.array(seen))
-    assert len(explored) == 10 and (np.diff(explored) == CallPolicy.EXPLORE_EVERY).all()
-    assert policy.peek(rich) is False                               # its own evidence
-    assert policy.rate(poor)[1] == pytest.approx(speed[True])
-    for _ in range(200):                                            # the text changes
-        policy.observe(poor, True, 1, 1000.0)
-    assert policy.peek(poor) is False
+    speed = np.array([1.0, 1.3, 1.5, 1.7, 1.6, 1.2, 1.0]) / 20           # tokens per ms
+    ran = []
+    for _ in range(40 * CallPolicy.EXPLORE_EVERY):
+        k = policy.choose(poor)
+        ran.append(k)
+        policy.observe(poor, k, 1000 * speed[k], 1000.0)
+    assert ran[0] == CallPolicy.START and policy.best(poor) == 3
+    late = np.array(ran[len(ran) // 2:])
+    assert (late == 3).mean() > 0.6 and set(late) == {2, 3, 4}            # neighbours only
+    runs = [len(list(g)) for k, g in groupby(late.tolist()) if k != 3][1:-1]   # whole ones
+    assert runs and set(runs) == {CallPolicy.RUN}
+    assert policy.peek(rich) == CallPolicy.START                          # its own evidence
+    assert policy.rate(poor)[3] == pytest.approx(speed[3])
+    before = policy.tries[poor].sum()
+    policy.observe(poor, 0, 1, 1000.0)                                    # after a 3: a change
+    assert policy.tries[poor].sum() == before
+    for _ in range(400):                                                  # the text changes:
+        k = policy.choose(poor)                                           # long chains fail
+        policy.observe(poor, k, 1000 * (speed[0] if k else 2 * speed[0]), 1000.0)
+    assert policy.best(poor) == 0
 
 
-def test_chain_acceptance_is_measured_per_bin_and_prices_the_next_token():
-    """A chain token counts only once the target reached it (every token before it accepted):
-    unverified tokens count too, by whether the bonus equals them. The chain goes on while
-    the chance of reaching and accepting the next token beats its cost at the rate."""
-    from treegraft_mlx.pricing import CallPolicy
-
-    policy = CallPolicy()
-    sure, unsure = np.log(0.95), np.log(0.35)
-    assert policy.chain_accept([sure])[0] == pytest.approx(0.95)     # the prior: S's own p
-    for _ in range(50):                                              # S is right when sure,
-        policy.observe_chain([7, 8, 9], [sure, unsure, sure], [7, 5, 9])   # wrong when not
-    a = policy.chain_accept([sure, unsure])
-    assert a[0] > 0.97 and a[1] < 0.05
-    hi, lo = int(0.95 * CallPolicy.BINS), int(0.35 * CallPolicy.BINS)
-    assert policy.reached[hi] == pytest.approx(policy.reached[lo])  # the third never reached
-    policy.token_ms = 2.0
-    assert policy.chain_pays([sure], rate=0.1)                       # 0.97^2 > 0.2
-    assert not policy.chain_pays([sure, unsure], rate=0.1)
-    assert not policy.chain_pays([sure] * CallPolicy.MAX_CHAIN, rate=0.0)
-
-
-def test_the_chain_ends_where_the_policy_says_it_stops_paying(family):
-    """`draft` drafts each chain token only while it pays: with an expensive token (a slow
-    drafter) it drafts one per call, with a free one up to MAX_CHAIN, and output stays ar's."""
+def test_a_priced_step_verifies_the_chain_length_the_policy_picks(family):
+    """`draft` queues a chain of exactly the length the call policy answers, verified with
+    the tree in one forward (rows: the root and the chain); output stays ar's."""
     from treegraft_mlx.pricing import CallPolicy
 
     prompt = suite_prompts(1)[0]["prompt"]
     ref = generate(family, prompt, "ar", max_tokens=24).token_ids
-    for token_ms, longest in ((1e6, 1), (0.0, CallPolicy.MAX_CHAIN)):
+    for length in (1, 4):
         policy = CallPolicy()
-        policy.peek = lambda bucket: True
-        policy.observe_token = lambda ms: None
-        policy.token_ms = token_ms
+        policy.peek = lambda bucket: length
         key = (False, family.tree, False, "draft")
         family.learned.call_policies[key] = policy
         try:
             res = generate(family, prompt, "draft", max_tokens=24)
         finally:
             del family.learned.call_policies[key]
-        chains = [s.chain for s in res.step_stats if s.chain]
-        assert res.token_ids == ref and chains
-        assert max(chains) <= longest and (longest > 1 or set(chains) == {1})
-        assert longest == 1 or max(chains) > 2
+        called = [s for s in res.step_stats if s.chain]
+        assert res.token_ids == ref and called
+        assert {s.chain for s in called} == {length}
+        assert all(s.nodes_verified == 1 + length for s in called)
 
 
 def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
     """The first call after the prompt (as after a plain stretch) syncs many committed tokens
     into S's cache: that step prices the sync, not its chain length, so the call policy does
-    not learn from it; the calls after it, in step, it does."""
+    not learn from it; the calls after it it does, from the first steady one (the step
+    before it ran the same length)."""
     from treegraft_mlx.pricing import CallPolicy
 
     policy = CallPolicy()
-    monkeypatch.setattr(policy, "choose", lambda bucket: True)
+    monkeypatch.setattr(policy, "choose", lambda bucket: 1)
     monkeypatch.setitem(family.learned.call_policies, (False, family.tree, False, "draft"),
                         policy)
     ids = family.tokenizer.encode(suite_prompts(1)[0]["prompt"])
@@ -557,7 +540,7 @@ def test_a_call_that_syncs_a_long_lag_is_not_measured(family, monkeypatch):
     for _ in range(6):
         next(steps)
     called = [s for s in dec.stats if s.chain]
-    assert len(called) >= 2 and policy.tries[0, 1] == len(called) - 1
+    assert len(called) >= 3 and policy.tries[0, 1] == len(called) - 2
 
 
 def test_drafting_stops_when_it_does_not_pay_and_still_explores():

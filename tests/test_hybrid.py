@@ -278,7 +278,7 @@ def test_sampling_on_a_hybrid_is_lossless(dense, strategy, monkeypatch):
     `follows_the_argmax` injected gives chi-square 501 in both cases."""
     from treegraft_mlx.pricing import CallPolicy
 
-    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
     pairs, chi2, _ = first_pairs_chi_square(load(dense, drafters=[dense], warmup=False),
                                             strategy)
     assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001

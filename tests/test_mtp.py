@@ -216,7 +216,7 @@ def test_turns_reuse_the_prefix_stop_inside_a_block_and_drafts_are_accepted(fitt
     position (its cache never restarts at a gap) and its drafts are accepted."""
     from treegraft_mlx.pricing import CallPolicy
 
-    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
     family = load(fitted, warmup=False)
     session = Session(family, family.tree)
     text, accepted = PROMPT, 0
@@ -243,7 +243,7 @@ def test_sampling_with_the_head_is_lossless(overconfident, strategy, monkeypatch
     cases; drawing from p instead of the residual after a rejection 22 (`mtp`) and 32."""
     from treegraft_mlx.pricing import CallPolicy
 
-    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: True)
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
     pairs, chi2, calls = first_pairs_chi_square(load(overconfident, warmup=False), strategy)
     assert calls >= 400                             # the head drafted on every step
     assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001

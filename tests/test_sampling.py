@@ -225,3 +225,23 @@ def test_expected_path_length_matches_the_acceptance_rules():
     greedy = SamplerSettings()
     one_hot = np.array(target_probs(logits, greedy), dtype=np.float64)
     assert expected_path_length(tree, one_hot) == len(accept_greedy(tree, logits).path) == 2
+
+
+def test_greedy_acceptance_follows_the_twin_that_accepts_longest():
+    """A queued chain may hang beside a sibling that carries the same token: greedy
+    acceptance follows both and keeps the longer accepted path (the first on a tie), so a
+    chain that agrees with the tree's own drafts never shortens what the tree accepts."""
+    from treegraft_mlx.tree import NGRAM, STRONG, DraftTree
+
+    tree = DraftTree.rooted_at(0)
+    a = tree.add(0, 1, 0.0, by=NGRAM)                  # the n-gram drafter: 1, then 9
+    tree.add(a, 9, 0.0, by=NGRAM)
+    b, c = tree.append_chain([1, 2], STRONG)           # the chain: 1, then 2
+    argmax = {0: 1, a: 5, 2: 5, b: 2, c: 7}            # the target: 1, 2, 7
+    logits = mx.array(np.eye(10, dtype=np.float32)[[argmax[v] for v in range(len(tree))]])
+    acc = accept_greedy(tree, logits)
+    assert acc.path == [0, b, c] and acc.bonus == 7
+    argmax[b] = 4                                      # now neither goes past depth 1
+    logits = mx.array(np.eye(10, dtype=np.float32)[[argmax[v] for v in range(len(tree))]])
+    acc = accept_greedy(tree, logits)
+    assert acc.path == [0, a] and acc.bonus == 5

@@ -7,7 +7,7 @@ import pytest
 from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
 from treegraft_mlx.tree import (NGRAM, STRONG, DraftTree, ancestor_mask, attention_mask,
-                                build_cap, depths, extend_chain, graft_chain, path_to, positions,
+                                build_cap, depths, graft_chain, path_to, positions,
                                 prune)
 
 
@@ -81,9 +81,8 @@ def test_drafted_by_is_kept_merged_and_travels_with_the_nodes():
     assert t.copy().drafted_by == t.drafted_by
     assert t.subtree(np.array([0, 1, 2])).drafted_by == t.drafted_by
     assert t.rerooted(a).drafted_by == [NGRAM | STRONG, STRONG]
-    path = [0]
-    assert extend_chain(t, path, [12, 13], [-0.1, -2.0], cap=10)   # S's chain: STRONG
-    assert t.drafted_by[path[1]] == STRONG and t.drafted_by[t.child(0, 13)] == STRONG
+    path = graft_chain(t, [12, 13], [-0.1, -2.0], cap=10)       # S's chain: STRONG
+    assert t.drafted_by[path[1]] == STRONG and t.drafted_by[path[2]] == STRONG
 
 
 def test_ngram_index_incremental_equals_rebuilt():
@@ -214,74 +213,57 @@ def test_graft_rescores_reselects_shallow_and_deletes_nothing(monkeypatch, on_gp
     assert all(t.drafted_by[g] & STRONG for g in grafted)
 
 
-def test_draft_chain_is_the_drafters_greedy_continuation_with_its_logprobs():
+def test_a_queued_chain_is_the_drafters_greedy_continuation_with_its_logprobs():
     h = history_of([1, 2, 3, 4])
     strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
-    tokens, logps = strong.draft_chain(5, 4, h)
+    chain = strong.queue_chain(5, 4, h)
+    assert strong.cache.offset == h.committed and strong.calls == 4   # chain rows dropped
+    tokens, logps = chain.read()                                      # read back only now
     logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
     expected, last = [], 5
     for _ in range(4):
         last = int(np.argmax(logp[last]))
         expected.append(last)
-    assert tokens == expected
+    assert tokens == expected and len(chain) == 4 and chain.drawn_from is None
     assert np.allclose(logps, [logp[a, b] for a, b in zip([5] + expected, expected)], atol=1e-5)
-    assert strong.cache.offset == h.committed and strong.calls == 4   # chain rows dropped
 
 
-def test_a_priced_chain_reads_each_token_and_stops_where_told():
-    h = history_of([1, 2, 3, 4])
-    lazy = ModelDrafter(FakeStrong(), top_k=3, depth=5).draft_chain(5, 4, h)
-    strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
-    asked = []
-    tokens, logps = strong.draft_chain(5, 4, h, lambda toks, lps, q: asked.append((toks, lps))
-                                       or q is not None or len(asked) < 2)
-    assert tokens == lazy[0][:2] and np.allclose(logps, lazy[1][:2], atol=1e-6)
-    logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
-    for (toks, lps), parent in zip(asked, [5] + tokens):   # asked after every token, in order:
-        assert toks == np.argsort(-logp[parent])[:3].tolist()    # its top_k, best first
-        assert np.allclose(lps, logp[parent, toks], atol=1e-5)
-    assert strong.cache.offset == h.committed and strong.calls == 2
+def test_a_sampled_chain_draws_each_token_on_the_device_and_keeps_its_distribution():
+    """With `draw`, each chain token is drawn from the processed distribution of the
+    drafter's row at its parent (not the argmax), the chain goes on from it, and each q
+    the tokens came from is kept for acceptance."""
+    from treegraft_mlx.sampling import DeviceDraws, SamplerSettings
 
-
-def test_a_sampled_chain_draws_each_token_and_hands_its_distribution_on():
-    """With `sample`, each chain token is the one drawn from the drafter's log-probs row at
-    its parent (not the argmax), first among the top_k handed to `more` with the q it was
-    drawn from; the chain goes on from it."""
     h = history_of([1, 2, 3, 4])
     strong = ModelDrafter(FakeStrong(), top_k=3, depth=5)
+    settings = SamplerSettings(temp=1.0, top_k=2)
+    chain = strong.queue_chain(5, 3, h, DeviceDraws(settings, mx.random.key(3)))
+    tokens, logps = chain.read()
     logp = strong.model.table - np.log(np.exp(strong.model.table).sum(-1, keepdims=True))
-    rows, asked = [], []
-
-    def sample(row):                       # the least likely token: never the argmax
-        rows.append(row)
-        q = np.zeros(len(row))
-        q[int(np.argmin(row))] = 1.0
-        return int(np.argmin(row)), q
-
-    tokens, logps = strong.draft_chain(5, 3, h, lambda toks, lps, q: asked.append((toks, q))
-                                       or True, sample)
-    parents = [5] + tokens[:-1]
-    assert tokens == [int(np.argmin(logp[u])) for u in parents]
-    assert np.allclose(logps, [logp[u, v] for u, v in zip(parents, tokens)], atol=1e-5)
-    for (toks, q), row, u, v in zip(asked, rows, parents, tokens):
-        assert np.allclose(row, logp[u], atol=1e-5) and q[v] == 1.0
-        assert toks[0] == v and toks[1:] == np.argsort(-logp[u])[:2].tolist()
-    with pytest.raises(ValueError, match="give `more`"):
-        strong.draft_chain(5, 3, h, sample=sample)
+    q = np.array(chain.drawn_from)
+    for u, v, row in zip([5] + tokens[:-1], tokens, q):
+        two = np.argsort(-logp[u])[:2]
+        assert v in two.tolist() and np.flatnonzero(row).tolist() == sorted(two.tolist())
+        assert np.allclose(row[two], np.exp(logp[u, two]) / np.exp(logp[u, two]).sum(),
+                           atol=1e-5)
+    draws = {tuple(strong.queue_chain(5, 3, h, DeviceDraws(settings, mx.random.key(s)))
+                   .read()[0]) for s in range(30)}
+    assert len(draws) > 1                                # drawn, not the argmax every time
 
 
-def test_extend_chain_hangs_the_runners_up_beside_the_chain_as_leaves():
+def test_a_chain_appended_beside_its_twin_keeps_its_own_rows():
+    """A queued chain joins the tree after verification as new nodes, even where a sibling
+    carries the same token (its rows are its own); lookups find the first of twins, and
+    both carry both drafters' bits."""
     t = DraftTree.rooted_at(4)
-    a = t.add(0, 7, -0.1, ngram_lp=-0.2)                  # the n-gram drafter's node
-    path = [0]
-    assert extend_chain(t, path, [9, 7, 3], [-0.2, -1.5, -3.0], cap=10)
-    assert path == [0, t.child(0, 9)] and t.child(0, 7) == a and len(t) == 4
-    assert t.draft_rank[a] == 1 and t.draft_lp[a] == -1.5    # S's evidence on W's node
-    assert t.draft_rank[t.child(0, 3)] == 2 and not t.children_of(a)
-    assert extend_chain(t, path, [5, 6], [-0.5, -2.0], cap=5)   # the chain goes on below 9
-    assert t.depth[path[-1]] == 2 and np.isclose(t.score[path[-1]], -0.7)
-    assert t.child(path[1], 6) < 0                          # no room for the runner-up
-    assert not extend_chain(t, path, [8], [-0.1], cap=5) and len(path) == 3
+    a = t.add(0, 9, -0.1, by=NGRAM)
+    t.add(a, 3, -0.2, by=NGRAM)
+    q = [np.full(20, 0.05), np.full(20, 0.05)]
+    nodes = t.append_chain([9, 10], STRONG, q)
+    assert nodes == [3, 4] and t.parent[3:] == [0, 3] and t.depth[3:] == [1, 2]
+    assert t.child(0, 9) == a and t.children_of(0) == [a, 3] and t.child(3, 10) == 4
+    assert t.drafted_by[a] == t.drafted_by[3] == NGRAM | STRONG and t.drafted_by[4] == STRONG
+    assert t.proposal[3] is q[0] and t.proposal[4] is q[1]
 
 
 def test_graft_chain_merges_into_the_tree_and_respects_the_cap():
@@ -330,30 +312,6 @@ def test_path_probability_and_best_size_per_step():
     assert plan.keep.tolist() == [0] and plan.expected == 1.0
     # A table shorter than the tree caps the block.
     assert len(plan_verification(t, a, flat[:3], rate=0.0).keep) == 3
-
-
-def test_sampled_drafts_are_always_verified_and_survive_subtrees():
-    """Whether a sampled draft is verified must not depend on its token (min(1, p/q) would
-    no longer be lossless): the plan keeps it and its ancestors however unlikely, whatever
-    the price of time, and a subtree keeps its distribution under the new index."""
-    from treegraft_mlx.tree import plan_verification
-
-    t = small_tree()
-    q = np.full(20, 0.05)
-    t.proposal[4] = q                                   # node 4, below 1
-    a = np.array([1.0, 0.9, 0.2, 0.5, 0.01, 0.9, 0.8])
-    pricey = np.array([10.0, 25, 40, 55, 70, 85, 100])
-    plan = plan_verification(t, a, pricey, rate=0.1)
-    assert plan.keep.tolist() == [0, 1, 4]              # forced, nothing else worth a row
-    assert plan.expected == pytest.approx(1 + 0.9 + 0.009) and plan.step_ms == 40
-    flat = np.full(7, 10.0)
-    assert plan_verification(t, a, flat, rate=0.01).keep.tolist() == list(range(7))
-    with pytest.raises(ValueError, match="exceed"):
-        plan_verification(t, a, flat[:2], rate=0.0)
-    sub = t.subtree(np.array([0, 1, 3, 4]))
-    assert list(sub.proposal) == [3] and sub.proposal[3] is q
-    assert t.rerooted(1).proposal.keys() == {2} and t.copy().proposal == {4: q}
-    assert not t.subtree(np.array([0, 1, 2])).proposal
 
 
 def test_every_prefix_of_the_best_first_order_is_ancestor_closed():

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
-
-import numpy as np
+from typing import Iterable, Iterator
 
 from .drafters import ChainDrafter, Drafter, Drafters
 from .family import TreeConfig
 from .history import History
 from .scheduler import LayerState, Schedule
-from .tree import DraftTree, build_cap, extend_chain, graft_chain
+from .tree import DraftTree, build_cap, graft_chain
 
 
 @dataclass
@@ -68,39 +66,23 @@ class TreeBuild:
             self.grow(drafters.strong, todo[k], history)
             todo = todo[k + 1:]
 
-    def graft_chain(self, drafter: ChainDrafter, k: int, cfg: TreeConfig, history: History,
-                    pays: Optional[Callable[[DraftTree, list[int]], bool]] = None,
-                    sample: Optional[Callable[[np.ndarray], tuple[int, np.ndarray]]] = None
-                    ) -> None:
-        """A chain drafter (the strong drafter, or the target's MTP head) drafts up to k
-        tokens after the root, one row per forward (cheap where a tree-mask call over many
-        nodes is not), grafted into the tree built so far. With `pays`, each token is grafted
-        as it is drafted, with the drafter's runners-up at its place as leaves (width the
-        forward already paid for; the sizing verifies those worth a row), and the chain ends
-        where `pays(tree, chain path)` says the next token is not worth its forward; with
-        `sample` as well, the chain's tokens are sampled drafts (ModelDrafter.draft_chain),
-        each kept with its distribution in `tree.proposal`."""
-        cap = build_cap(cfg.top_k, max(k, cfg.depth))
-        if pays is None:
-            tokens, logps = drafter.draft_chain(self.tree.token[0], k, history)
-            self.chain_path = graft_chain(self.tree, tokens, logps, cap)
-        else:
-            path = self.chain_path = [0]
-            drafter.draft_chain(self.tree.token[0], k, history,
-                                lambda toks, lps, q: extend_chain(self.tree, path, toks, lps,
-                                                                  cap, q)
-                                and pays(self.tree, path), sample)
+    def graft_chain(self, drafter: ChainDrafter, k: int, cfg: TreeConfig,
+                    history: History) -> None:
+        """A chain drafter (the strong drafter, or the target's MTP head) drafts k tokens
+        after the root, one row per forward (cheap where a tree-mask call over many nodes is
+        not), read back and grafted into the tree built so far (the tree's own nodes gain
+        its evidence)."""
+        chain = drafter.queue_chain(self.tree.token[0], k, history)
+        if chain is not None:
+            tokens, logps = chain.read()
+            self.chain_path = graft_chain(self.tree, tokens, logps,
+                                          build_cap(cfg.top_k, max(k, cfg.depth)))
         self.used.append(drafter.name)
 
     @property
     def chain(self) -> int:
         """Drafts the chain drafter chained from the root."""
         return max(0, len(self.chain_path) - 1)
-
-    def chain_drafts(self) -> tuple[list[int], list[float]]:
-        """The chain's tokens and the drafter's log-prob of each."""
-        nodes = self.chain_path[1:]
-        return [self.tree.token[v] for v in nodes], [self.tree.draft_lp[v] for v in nodes]
 
     def state(self, layer: int, cfg: TreeConfig, history: History) -> LayerState:
         return LayerState(layer, cfg.depth, history.committed, self.called, self.tree,

@@ -38,15 +38,15 @@ import mlx.core as mx
 import numpy as np
 
 from .build import TreeBuild
-from .drafters import Drafters
+from .drafters import Drafters, QueuedChain
 from .family import TreeConfig
 from .history import History
 from .pricing import CallPolicy, Fallback, Sizer
-from .sampling import SamplerSettings, draw, host_probs, sample_token
+from .sampling import DeviceDraws, SamplerSettings, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
-from .tree import SOURCES, DraftTree, Plan, prune
+from .tree import SOURCES, STRONG, DraftTree, Plan, prune
 from .verify import Acceptance, accept, verify_hidden
 
 DEFAULT_CHAIN_K = 4
@@ -106,6 +106,12 @@ class Strategy:
         """Whether every draft comes from the n-gram drafter."""
         return (self.kind == "tree" and self.ngram and not self.needs_strong
                 and not self.mtp_chain)
+
+    @property
+    def scores_history(self) -> bool:
+        """Whether its trees hold n-gram drafts, whose estimates read the target's scores of
+        the committed text (History): other strategies skip scoring, as `ar` does."""
+        return self.kind == "tree" and self.ngram
 
     @property
     def needs_strong(self) -> bool:
@@ -249,16 +255,22 @@ class Decoder:
         else:
             yield from self._tree_steps(root)
 
+    def _key(self) -> mx.array:
+        """A device random key drawn from the generation's seeded generator."""
+        return mx.random.key(int(self.rng.integers(2**31)))
+
     def _forward(self) -> "ArForward":
-        key = mx.random.key(int(self.rng.integers(2**31)))
-        return ArForward(self.target, self.session.cache, self.settings, key, self.session.saw)
+        return ArForward(self.target, self.session.cache, self.settings, self._key(),
+                         self.session.saw)
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
-        queued (async_eval) before the current token is read back (the prefill's token too)."""
+        queued (async_eval) before the current token is read back. The prefill's token goes
+        out first: on MLX's CPU backend queuing a forward runs much of it, which the time to
+        first token would otherwise pay."""
         history, forward = self.session.history, self._forward()
+        yield self._by_target(root)          # out before any forward is queued: first token
         queued = forward(mx.array(root))
-        yield self._by_target(root)
         while True:
             after = forward(queued.token)
             nxt = queued.read()
@@ -270,8 +282,7 @@ class Decoder:
     def _build(self, root: int, history: History) -> "TreeBuild":
         cfg = self.session.tree
         build = TreeBuild.rooted_at(root)
-        if self.strategy.kind == "chain":
-            build.graft_chain(self.drafters.strong, self.strategy.chain_k, cfg, history)
+        if self.strategy.kind == "chain":       # its chain is queued with the verification
             return build
         if self.strategy.ngram:
             build.expand(range(1, cfg.depth + 1), self.schedule, self.drafters, cfg, history)
@@ -281,15 +292,20 @@ class Decoder:
 
     def _tree_steps(self, root: int) -> Iterator[list[int]]:
         """Every step verifies the built tree pruned to the fixed budget (the paper's way)."""
+        history = self.session.history
         while True:
             t0 = self.clock()
-            build = self._build(root, self.session.history)
+            build = self._build(root, history)
             tree = build.tree.subtree(prune(build.tree, self.session.tree.budget))
-            rows = self.session.tree.rows_for(len(tree))
+            chain = (self.drafters.strong.queue_chain(root, self.strategy.chain_k, history)
+                     if self.strategy.kind == "chain" else None)
+            k = len(chain) if chain is not None else 0
+            rows = self.session.tree.rows_for(len(tree) + k)
             block, acc = self._verify(tree, rows, StepStats(
-                accepted=0, nodes_verified=len(tree), nodes_built=len(build.tree),
+                accepted=0, nodes_verified=len(tree) + k, nodes_built=len(build.tree) + k,
                 layers=build.used, t_draft=self.clock() - t0, t_verify=0.0, t_accept=0.0,
-                t_schedule=build.t_schedule, rows=rows, expected=0.0, chain=build.chain))
+                t_schedule=build.t_schedule, rows=rows, expected=0.0, chain=build.chain + k),
+                chain)
             yield block
             root = acc.bonus
 
@@ -311,39 +327,38 @@ class Decoder:
                 root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
-            choice: Optional[tuple[int, bool]] = None   # (bucket, called) of a priced build
+            choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
+            chain: Optional[QueuedChain] = None        # its chain, queued on the device
             # Whether to run the n-gram drafter (a priced build still asks the call policy).
             fresh = carried is None and self.sizer.worth_drafting()
-            drafts: tuple[list[int], list[float]] = ([], [])   # S's chain and its log-probs
             if carried is not None:
                 full, used, t_schedule = carried, [], 0.0
                 plan = self.sizer.plan(carried, history.committed)
             elif self.calls is not None:
-                build, plan, choice = self._priced_build(
+                build, plan, choice, chain = self._priced_build(
                     root, history, ngram=fresh and self.strategy.ngram,
                     in_flight=queued is not None)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
-                drafts = build.chain_drafts()
-                fresh = fresh and not build.chain  # the sizer prices n-gram drafting without calls
+                fresh = fresh and chain is None  # the sizer prices n-gram drafting without calls
             elif not fresh:
                 full, used, t_schedule = DraftTree.rooted_at(root), [], 0.0
                 plan = self.sizer.plan(full, history.committed)
             else:
                 build = self._build(root, history)
                 full, used, t_schedule = build.tree, build.used, build.t_schedule
-                drafts = build.chain_drafts()
                 plan = self.sizer.plan(full, history.committed)
             carried = None
+            k = len(chain) if chain is not None else 0
             t1 = self.clock()
             self.sizer.settle(plan, 1000 * (t1 - t0) if fresh else None)
-            if queued is None and len(plan.keep) > 1:
+            if queued is None and (len(plan.keep) > 1 or k):
                 tree = full.subtree(plan.keep)
-                rows = self.sizer.costs.rows_for(len(tree))
+                rows = self.sizer.costs.rows_for(len(tree) + k)
                 block, acc = self._verify(tree, rows, StepStats(
-                    accepted=0, nodes_verified=len(tree), nodes_built=len(full), layers=used,
-                    t_draft=t1 - t0, t_verify=0.0, t_accept=0.0, t_schedule=t_schedule,
-                    rows=rows, expected=plan.expected, chain=len(drafts[0])))
-                self._learn(choice, block, drafts, t0)
+                    accepted=0, nodes_verified=len(tree) + k, nodes_built=len(full) + k,
+                    layers=used, t_draft=t1 - t0, t_verify=0.0, t_accept=0.0,
+                    t_schedule=t_schedule, rows=rows, expected=plan.expected, chain=k), chain)
+                self._learn(choice, block, t0)
                 yield block
                 root = acc.bonus
                 continue
@@ -359,28 +374,25 @@ class Decoder:
             self._record(StepStats(
                 accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
-                t_schedule=t_schedule, rows=1, expected=plan.expected, chain=len(drafts[0])))
-            self._learn(choice, [nxt], drafts, t0)
+                t_schedule=t_schedule, rows=1, expected=plan.expected))
+            self._learn(choice, [nxt], t0)
             yield self._by_target(nxt)
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _learn(self, choice: Optional[tuple[int, bool]], block: list[int],
-               drafts: tuple[list[int], list[float]], t0: float) -> None:
+    def _learn(self, choice: Optional[tuple[int, int]], block: list[int], t0: float) -> None:
         """A tree step that began at `t0` committed `block`: the fallback and the call policy
-        (for the `choice` of a priced build) learn its rate, the call policy what became of
-        the strong drafter's chain `drafts`. The step's time runs from the end of the step
-        before it, if that was a tree step: what the caller did with that step's tokens is
-        part of the cost, and a step of one token pays it as often as a step of many."""
+        (for the `choice` of a priced build) learn its rate. The step's time runs from the
+        end of the step before it, if that was a tree step: what the caller did with that
+        step's tokens is part of the cost, and a step of one token pays it as often as a
+        step of many."""
         now = self.clock()
         ms = 1000 * (now - (t0 if self._since is None else self._since))
         self._since = now
         self.fallback.observe_tree(len(block), ms)
         if choice is not None:
             self.calls.observe(*choice, len(block), ms)
-        if drafts[0] and self.calls is not None:
-            self.calls.observe_chain(*drafts, block)
 
     def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
                     steps: int) -> Iterator[list[int]]:
@@ -430,17 +442,19 @@ class Decoder:
         """Whether the next step will likely call the strong drafter: then its forward is not
         queued ahead, since a call waits for a forward in flight on the same stream. Judged
         for an empty n-gram tree (`draft` never has another)."""
-        return self.calls is not None and self.calls.peek(0)
+        return self.calls is not None and self.calls.peek(0) > 0
 
-    def _priced_build(self, root: int, history: History, ngram: bool,
-                      in_flight: bool) -> tuple["TreeBuild", Plan, Optional[tuple[int, bool]]]:
-        """The n-gram tree, and the strong drafter's chain grafted into it where the call
-        policy calls for the n-gram plan's bucket, as long as each token pays (CallPolicy);
-        planned by the Sizer; returned with (bucket, called) for the policy to learn from, or
-        None where the call first synced a long lag (committed tokens S's cache had not seen:
-        after a plain stretch), whose cost is the stretch's, not the call's. No call while the
-        root's forward is `in_flight`: the drafter's forward would wait for it on the same
-        stream and leave the next forward unqueued (measured: 17.7 ms a call against 2.8)."""
+    def _priced_build(self, root: int, history: History, ngram: bool, in_flight: bool
+                      ) -> tuple["TreeBuild", Plan, Optional[tuple[int, int]],
+                                 Optional[QueuedChain]]:
+        """The n-gram tree, planned by the Sizer, and the chain drafter's chain of the length
+        the call policy picks for the n-gram plan's bucket, queued on the device (the plan
+        then prices the tree's rows beside the chain's); returned with (bucket, length) for
+        the policy to learn from, or None where the call first synced a long lag (committed
+        tokens the drafter had not seen: after a plain stretch), whose cost is the
+        stretch's, not the call's. No call while the root's forward is `in_flight`: the
+        drafter's forward would wait for it on the same stream and leave the next forward
+        unqueued (measured: 17.7 ms a call against 2.8)."""
         cfg, sizer = self.session.tree, self.sizer
         build = TreeBuild.rooted_at(root)
         if ngram:
@@ -448,43 +462,26 @@ class Decoder:
         plan = sizer.plan(build.tree, history.committed)
         t0 = self.clock()
         bucket = self.calls.bucket(plan.expected)
-        called = self.calls.choose(bucket) and not in_flight
+        k = 0 if in_flight else self.calls.choose(bucket)
         build.t_schedule = self.clock() - t0       # the policy's own work
         steady = self.chainer.lag(history) <= self.calls.STEADY_LAG
-        if called:
-            build.graft_chain(self.chainer, self.calls.MAX_CHAIN, cfg, history,
-                              self._chain_pays,
-                              None if self.settings.greedy else self._sampled_draft)
-            # The chain's tokens are priced at their measured acceptance where that is higher.
-            accept = sizer.accept(build.tree)
-            nodes = build.chain_path[1:]
-            accept[nodes] = np.maximum(accept[nodes],
-                                       self.calls.chain_accept(build.chain_drafts()[1]))
-            plan = sizer.plan(build.tree, history.committed, accept)
-        return build, plan, (bucket, called) if steady or not called else None
+        chain = None
+        if k:
+            draws = None if self.settings.greedy else DeviceDraws(self.settings, self._key())
+            chain = self.chainer.queue_chain(root, k, history, draws)
+            build.used.append(self.chainer.name)
+            if chain is not None:
+                plan = sizer.plan(build.tree, history.committed, chain=k)
+        choice = (bucket, len(chain) if chain is not None else 0)
+        return build, plan, choice if steady or chain is None else None, chain
 
-    def _sampled_draft(self, logp: np.ndarray) -> tuple[int, np.ndarray]:
-        """A chain token drawn from the drafter's distribution q under the target's sampler
-        settings, and q: verified by min(1, p/q), it is accepted with 1 - TV(p, q) instead of
-        the target's p of the drafter's argmax (docs/design.md §9.4)."""
-        q = host_probs(logp, self.settings)
-        return draw(q, self.rng), q
-
-    def _chain_pays(self, tree: DraftTree, path: list[int]) -> bool:
-        """Whether the strong drafter's chain (`path`, root first) should draft one more
-        token; the time since the last token's question is what that token cost (the first
-        one's also synced S's cache, so it is not measured)."""
-        now = self.clock()
-        if len(path) > 2:
-            self.calls.observe_token(1000 * (now - self._asked))
-        self._asked = now
-        return self.calls.chain_pays([tree.draft_lp[v] for v in path[1:]], self.sizer.rate)
-
-    def _verify(self, tree: DraftTree, rows: int, stats: StepStats) -> tuple[list[int], Acceptance]:
-        """Verify `tree` in one forward of `rows` rows, accept, commit (tree_step); completes
-        `stats`. Returns the committed tokens after the root (accepted drafts, then the bonus)."""
+    def _verify(self, tree: DraftTree, rows: int, stats: StepStats,
+                chain: Optional[QueuedChain] = None) -> tuple[list[int], Acceptance]:
+        """Verify `tree` (and a `chain` queued beside it) in one forward of `rows` rows,
+        accept, commit (tree_step); completes `stats`. Returns the committed tokens after the
+        root (accepted drafts, then the bonus)."""
         step = tree_step(self.session, self.drafters, tree, rows, self.settings, self.rng,
-                         self.clock)
+                         self.clock, chain, self.strategy.scores_history)
         stats.accepted = len(step.acceptance.path) - 1
         drafted = step.acceptance.path[1:]
         self.sources += [SOURCES[tree.drafted_by[v]] for v in drafted] + [TARGET]
@@ -532,18 +529,19 @@ class ArForward:
 
 
 def commit(session: Session, drafters: Drafters, tree: DraftTree, logits: mx.array,
-           acc: Acceptance, hidden: Optional[mx.array] = None) -> list[int]:
+           acc: Acceptance, hidden: Optional[mx.array] = None, scores: bool = True) -> list[int]:
     """Commit the accepted path: compact the target cache, hand the path's `hidden` states
-    (if the target exposed them) to the session, score the path's positions, extend the
-    history and tell the drafters. Returns what the history gained: the accepted drafts,
-    then the bonus."""
+    (if the target exposed them) to the session, score the path's positions (where
+    `scores`: a readback of their rows and a pass over each), extend the history and tell
+    the drafters. Returns what the history gained: the accepted drafts, then the bonus."""
     history = session.history
     session.cache.keep(acc.path)
     if hidden is not None:
         session.saw(history.committed, hidden, acc.path)
     block = [tree.token[i] for i in acc.path]
     following = block[1:] + [acc.bonus]
-    history.record(history.committed, logits[mx.array(acc.path)], following)
+    if scores:
+        history.record(history.committed, logits[mx.array(acc.path)], following)
     history.extend(following)
     drafters.observe(history, len(block))
     return following
@@ -562,15 +560,25 @@ class VerifiedStep:
 
 def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
               settings: SamplerSettings, rng: np.random.Generator,
-              clock: Callable[[], float] = time.perf_counter) -> VerifiedStep:
+              clock: Callable[[], float] = time.perf_counter,
+              chain: Optional[QueuedChain] = None, scores: bool = True) -> VerifiedStep:
     """The step every loop shares (decoding and both calibrations): verify `tree` in one
-    forward of `rows` rows, accept by the regime's rule, commit."""
+    forward of `rows` rows, accept by the regime's rule, commit (scoring the path where
+    `scores`). A `chain` queued on the device is verified in the same forward, as a branch
+    from the root, and joins `tree` once evaluated (DraftTree.append_chain): no readback
+    between drafting and verifying."""
     t0 = clock()
-    logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows)
-    mx.eval(logits)
+    logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)
+    if chain is None:
+        mx.eval(logits)
+    else:
+        drawn_from = chain.drawn_from
+        mx.eval(logits, chain.tokens, *([] if drawn_from is None else [drawn_from]))
+        tree.append_chain(np.array(chain.tokens).tolist(), STRONG,
+                          None if drawn_from is None else np.array(drawn_from, dtype=np.float64))
     t1 = clock()
     acc = accept(tree, logits, settings, rng)
-    block = commit(session, drafters, tree, logits, acc, hidden)
+    block = commit(session, drafters, tree, logits, acc, hidden, scores)
     return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
 
 

@@ -1,7 +1,7 @@
 """What a step is worth and what it costs: the per-step size choice (Sizer, expected tokens
 less the step's time at the long-run tokens per ms), whether to call the strong drafter and
-how long its chain runs (CallPolicy: measured tokens per ms with and without a call, each
-chain token priced at its measured acceptance), and when to decode plainly (Fallback)."""
+how long its chain runs (CallPolicy: measured tokens per ms of each chain length), and when
+to decode plainly (Fallback)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ if TYPE_CHECKING:                 # family.py owns a Learned: no import back at 
 
 RATE_EMA = 0.1             # how fast the long-run tokens/ms the size choice prices time at moves
 DRAFT_EXPLORE_EVERY = 4    # while drafting does not pay, still draft one step in this many
-TOKEN_EMA = 0.1            # how fast the measured cost of one chain token moves
 
 
 class Sizer:
@@ -37,13 +36,14 @@ class Sizer:
         self.draft_ms = costs.draft_ms
         self.skipped = 0
 
-    def plan(self, tree: DraftTree, context: int, accept: Optional[np.ndarray] = None) -> Plan:
+    def plan(self, tree: DraftTree, context: int, chain: int = 0) -> Plan:
         """The best subtree to verify after `context` committed tokens, given every node's
-        acceptance estimate (default: `self.accept(tree)`)."""
-        if len(tree) == 1:                       # nothing drafted: an AR step
+        acceptance estimate, beside a queued `chain` of that many rows (which the step
+        verifies whatever the plan: the tree's rows are priced after the chain's)."""
+        if len(tree) == 1 and not chain:         # nothing drafted: an AR step
             return Plan(np.zeros(1, dtype=np.int64), 1.0, self.costs.ar_ms)
-        accept = self.accept(tree) if accept is None else accept
-        return plan_verification(tree, accept, self.costs.step_ms(context), self.rate)
+        return plan_verification(tree, self.accept(tree), self.costs.step_ms(context)[chain:],
+                                 self.rate)
 
     def accept(self, tree: DraftTree) -> np.ndarray:
         """a(v) for every node of `tree` (acceptance.py)."""
@@ -76,116 +76,96 @@ class Sizer:
 
 
 class CallPolicy:
-    """Whether a step calls the strong drafter, and how long its chain from the root runs
-    (docs/design.md §9).
+    """How long a step's chain from the root runs, 0 being no call (docs/design.md §9).
 
-    Whether: measured, per bucket of the n-gram plan's expected tokens (the drafter helps most
-    where the n-gram drafter found little), the committed tokens per ms of the steps that
-    called and of those that did not, as slow moving averages of tokens and of wall time. Each
-    choice is tried TRIES times first; then the faster is taken, and every EXPLORE_EVERY-th
-    step of a bucket tries the other, so no estimate goes stale.
+    Measured, per bucket of the n-gram plan's expected tokens (the drafter helps most where
+    the n-gram drafter found little): the committed tokens per ms of the steps that ran each
+    chain length, as slow moving averages of tokens and of wall time. The chain is queued on
+    the device with the verification, nothing read back between them, so its length is
+    chosen before any of its tokens is seen, as `mlx_lm`'s num_draft_tokens is, but per
+    bucket and by measurement: a hill climb from START. The best measured length and its
+    neighbours are measured TRIES times each first; then the best is taken, and every
+    EXPLORE_EVERY-th step of a bucket starts a run of RUN steps of a neighbour (shorter and
+    longer in turn), so the climb follows the text and no estimate goes stale.
 
-    How long: priced token by token (`chain_pays`), as the per-step sizing prices nodes: the
-    chain goes on while the chance that the target accepts it that far, times the last
-    token's acceptance estimate (the drafter's confidence runs in streaks), buys more tokens
-    than one more drafter forward costs at the long-run rate, up to MAX_CHAIN. A fixed length
-    loses both ways: too long where the drafter is unsure, too short where it is right.
+    Only steady steps are measured: those whose step before ran the same length. A change
+    of length costs the step after it (a call after a step without one syncs the drafter's
+    cache; a step without one after a call cannot be pipelined), so measuring every step
+    prices the mixture, not the length (measured: every length 0-3 of greedy `draft` at
+    0.064-0.065 tokens a ms, while a chain of 2 on every step ran at 0.086).
 
     The estimates live on the family (per regime) and keep learning across generations:
-    choices depend on what ran before and on the drafter's own log-probs, never on the
-    current step's target logits (output stays exact). A call after a plain stretch first
-    syncs everything the stretch committed into S's cache; that step is not measured (it
-    prices the stretch, not the call), or the only calls measured would be the slow ones
-    after stretches and the policy would never call again (measured: greedy `draft` called
-    on 2% of steps, 0.95x `ar`, while a fixed chain of 2 ran at 1.26x)."""
+    choices depend on what ran before, never on the current step's target logits (output
+    stays exact). A call after a plain stretch first syncs everything the stretch committed
+    into the drafter's cache; that step is not measured (it prices the stretch, not the
+    call), or the only calls measured would be the slow ones after stretches and the policy
+    would never call again (measured: greedy `draft` called on 2% of steps, 0.95x `ar`,
+    while a fixed chain of 2 ran at 1.26x)."""
 
     EDGES = (1.1, 1.4, 1.8, 2.5)       # bucket bounds on the n-gram plan's expected tokens
-    TRIES = 4
-    EXPLORE_EVERY = 6
+    LONGEST = 6                        # chain lengths 0..LONGEST
+    START = 2                          # where the climb starts (mlx_lm's default)
+    TRIES = 3
+    EXPLORE_EVERY = 12
+    RUN = 3
     EMA = 0.05
     STEADY_LAG = 12     # a call that synced more committed tokens than this is not measured
-    MAX_CHAIN = 8
-    BINS = 10           # bins of the drafter's probability its chain acceptance is kept in
-    PRIOR = 2.0         # pseudo-tokens at the drafter's own probability, per bin
-    DECAY = 0.99        # per observed token in a bin: acceptance follows the text
 
     def __init__(self):
-        shape = (len(self.EDGES) + 1, 2)           # [bucket, called]
+        shape = (len(self.EDGES) + 1, self.LONGEST + 1)     # [bucket, chain length]
         self.tokens, self.ms = np.zeros(shape), np.zeros(shape)
         self.tries = np.zeros(shape, dtype=np.int64)
         self.steps = np.zeros(shape[0], dtype=np.int64)
-        self.token_ms = 0.0       # what one more chain token costs, measured (0: not yet)
-        # The chain tokens' measured acceptance per bin of the drafter's own probability:
-        # decayed counts of tokens the target reached and of those it accepted.
-        self.reached, self.hits = np.zeros(self.BINS), np.zeros(self.BINS)
+        self.runs: dict[int, tuple[int, int]] = {}    # bucket -> (length, steps left)
+        self.last = -1                                  # the length the last step ran
 
     def bucket(self, expected: float) -> int:
         return int(np.searchsorted(self.EDGES, expected, side="right"))
 
     def rate(self, bucket: int) -> np.ndarray:
-        """Measured committed tokens per ms without and with a call in `bucket` (0 untried)."""
+        """Measured committed tokens per ms of each chain length in `bucket` (0 untried)."""
         return np.divide(self.tokens[bucket], self.ms[bucket],
-                         out=np.zeros(2), where=self.ms[bucket] > 0)
+                         out=np.zeros(self.LONGEST + 1), where=self.ms[bucket] > 0)
 
-    def peek(self, bucket: int) -> bool:
+    def best(self, bucket: int) -> int:
+        """The fastest length tried TRIES times in `bucket` (START before any was)."""
+        tried = self.tries[bucket] >= self.TRIES
+        if not tried.any():
+            return self.START
+        return int(np.argmax(np.where(tried, self.rate(bucket), -1.0)))
+
+    def peek(self, bucket: int) -> int:
         """What `choose` will answer next in `bucket`, without counting a step."""
-        for called in (0, 1):
-            if self.tries[bucket, called] < self.TRIES:
-                return bool(called)
-        best = int(np.argmax(self.rate(bucket)))
-        explore = (self.steps[bucket] + 1) % self.EXPLORE_EVERY == 0
-        return bool(best != explore)
+        if bucket in self.runs:
+            return self.runs[bucket][0]
+        best = self.best(bucket)
+        around = [k for k in (best, best - 1, best + 1) if 0 <= k <= self.LONGEST]
+        for k in around:
+            if self.tries[bucket, k] < self.TRIES:
+                return k
+        n = self.steps[bucket] + 1
+        if n % self.EXPLORE_EVERY:
+            return best
+        return around[1 + (n // self.EXPLORE_EVERY) % (len(around) - 1)]
 
-    def choose(self, bucket: int) -> bool:
-        called = self.peek(bucket)
+    def choose(self, bucket: int) -> int:
+        k = self.peek(bucket)
         self.steps[bucket] += 1
-        return called
+        left = self.runs.pop(bucket, (k, self.RUN))[1] - 1
+        if k != self.best(bucket) and left > 0:
+            self.runs[bucket] = (k, left)
+        return k
 
-    def observe(self, bucket: int, called: bool, tokens: int, ms: float) -> None:
-        """A step in `bucket` that did (or did not) call committed `tokens` in `ms` (its wall
-        time: drafting, verification, acceptance)."""
-        i = int(called)
-        self.tries[bucket, i] += 1
-        w = max(self.EMA, 1.0 / self.tries[bucket, i])
-        self.tokens[bucket, i] += w * (tokens - self.tokens[bucket, i])
-        self.ms[bucket, i] += w * (ms - self.ms[bucket, i])
-
-    def chain_pays(self, logps: list[float], rate: float) -> bool:
-        """Whether the chain whose tokens the drafter gave `logps` should draft one more, at
-        the long-run `rate` (tokens/ms)."""
-        accept = self.chain_accept(logps)
-        return (len(accept) < self.MAX_CHAIN
-                and float(np.prod(accept)) * float(accept[-1]) > rate * self.token_ms)
-
-    def chain_accept(self, logps: list[float]) -> np.ndarray:
-        """Each chain token's chance that the target accepts it once it reaches it, as
-        measured for its bin of the drafter's probability (`observe_chain`), starting from
-        that probability. Measured, not taken from the acceptance model: its fit pools every
-        kind of node, and chain tokens are accepted more often than the pool says (greedy
-        tg-tiny: 0.46 predicted for the first token, about 0.7 observed)."""
-        p, b = self._bins(logps)
-        return (self.hits[b] + self.PRIOR * p) / (self.reached[b] + self.PRIOR)
-
-    def _bins(self, logps: list[float]) -> tuple[np.ndarray, np.ndarray]:
-        """The drafter's probability of each token, and its bin."""
-        p = np.exp(np.asarray(logps, dtype=np.float64))
-        return p, np.minimum((p * self.BINS).astype(np.int64), self.BINS - 1)
-
-    def observe_chain(self, tokens: list[int], logps: list[float], committed: list[int]) -> None:
-        """A step drafted the chain `tokens` (the drafter's `logps`) and committed
-        `committed` after its root: each chain token the target reached was accepted iff it
-        is the committed token at its depth. Right in both regimes, verified or not: a
-        rejected token is never the bonus, and an unverified one is the bonus exactly as
-        often as the target would have accepted it."""
-        for tok, b, got in zip(tokens, self._bins(logps)[1], committed):
-            self.reached[b] = self.DECAY * self.reached[b] + 1.0
-            self.hits[b] = self.DECAY * self.hits[b] + float(tok == got)
-            if tok != got:
-                break
-
-    def observe_token(self, ms: float) -> None:
-        """One more chain token took `ms` (its forward, readback, grafting and pricing)."""
-        self.token_ms = ms if not self.token_ms else self.token_ms + TOKEN_EMA * (ms - self.token_ms)
+    def observe(self, bucket: int, length: int, tokens: int, ms: float) -> None:
+        """A step in `bucket` that ran a chain of `length` (0: no call) committed `tokens` in
+        `ms` (its wall time: drafting, verification, acceptance); measured if steady."""
+        steady, self.last = length == self.last, length
+        if not steady:
+            return
+        self.tries[bucket, length] += 1
+        w = max(self.EMA, 1.0 / self.tries[bucket, length])
+        self.tokens[bucket, length] += w * (tokens - self.tokens[bucket, length])
+        self.ms[bucket, length] += w * (ms - self.ms[bucket, length])
 
 
 class Fallback:

@@ -89,6 +89,21 @@ def sample_token(logits: mx.array, s: SamplerSettings, key: mx.array) -> mx.arra
     return _compiled_sampler(s)(logits, key)
 
 
+class DeviceDraws:
+    """Tokens drawn from the processed distribution on the device, nothing read back: what a
+    sampled chain queued on the device drafts with (drafters.Draw). Each draw takes the next
+    key split from the one given, and also returns q, the distribution it was drawn from,
+    which acceptance reads (min(1, p/q), verify.py)."""
+
+    def __init__(self, settings: SamplerSettings, key: mx.array):
+        self.settings, self.key = settings, key
+
+    def __call__(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        self.key, sub = mx.random.split(self.key)
+        x = processed_logits(logits.astype(mx.float32), self.settings)
+        return mx.random.categorical(x, key=sub), mx.softmax(x)
+
+
 def host_probs(logits: np.ndarray, s: SamplerSettings) -> np.ndarray:
     """`target_probs` of one row in numpy (float64), for acceptance on the host: it visits one
     row per accepted node, and a row that has left the device costs a few vectorised passes

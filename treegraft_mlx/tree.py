@@ -151,8 +151,31 @@ class DraftTree:
         return i
 
     def _link(self, parent: int, child: int) -> None:
-        self.children[(parent, self.token[child])] = child
+        """Link a child; `child` finds the first of siblings that carry the same token."""
+        self.children.setdefault((parent, self.token[child]), child)
         self.kids.setdefault(parent, []).append(child)
+
+    def append_chain(self, tokens: Sequence[int], by: int,
+                     proposals: Optional[Sequence[np.ndarray]] = None) -> list[int]:
+        """Hang a chain from the root as new nodes, one below the other, even where a sibling
+        already carries the same token: the chain was verified on the device before its
+        tokens were read back (a queued chain, docs/design.md §9), so its rows are its own.
+        A twin sibling and the chain node each gain the other's drafter bit (both proposed
+        that token there). `proposals[i]`: the distribution token i was drawn from (a sampled
+        draft). Returns the chain's nodes."""
+        nodes, parent = [], 0
+        for i, tok in enumerate(tokens):
+            twin = self.child(parent, tok)
+            both = by | (self.drafted_by[twin] if twin >= 0 else 0)
+            node = self._append(tok, parent, self.depth[parent] + 1, 0.0, drafted_by=both)
+            if twin >= 0:
+                self.drafted_by[twin] |= by
+            self._link(parent, node)
+            if proposals is not None:
+                self.proposal[node] = proposals[i]
+            nodes.append(node)
+            parent = node
+        return nodes
 
     def children_of(self, node: int) -> list[int]:
         return self.kids.get(node, [])
@@ -193,36 +216,18 @@ class DraftTree:
 def graft_chain(tree: DraftTree, tokens: Sequence[int], logps: Sequence[float],
                 cap: int) -> list[int]:
     """Graft the strong drafter's chain (its greedy tokens after the root, with its log-prob
-    of each) into `tree` from the root down (extend_chain, token by token). Returns the
-    chain's nodes, root first."""
-    path = [0]
+    of each) into `tree` from the root down. A token some drafter already proposed there is
+    the same node and gains S's evidence; new nodes are added while the tree has room (`cap`
+    nodes). Returns the chain's nodes, root first."""
+    path, score = [0], tree.score[0]
     for tok, lp in zip(tokens, logps):
-        if not extend_chain(tree, path, [tok], [lp], cap):
+        if len(tree) >= cap and tree.child(path[-1], int(tok)) < 0:
             break
+        score += float(lp)
+        node = tree.add(path[-1], int(tok), score, by=STRONG)
+        tree.draft_lp[node], tree.draft_rank[node] = float(lp), 0
+        path.append(node)
     return path
-
-
-def extend_chain(tree: DraftTree, path: list[int], tokens: Sequence[int],
-                 logps: Sequence[float], cap: int, proposal: Optional[np.ndarray] = None) -> bool:
-    """Hang the chain's next token `tokens[0]` below its last node `path[-1]` and append it to
-    `path`; S's runners-up there (`tokens[1:]`, best first) become leaves beside it. A token
-    some drafter already proposed there is the same node and gains S's evidence; new nodes
-    are added while the tree has room (`cap` nodes). With `proposal`, `tokens[0]` was drawn
-    from that distribution (a sampled draft). False when the chain's token had no room."""
-    parent = path[-1]
-    base = tree.score[path[0]] + sum(tree.draft_lp[v] for v in path[1:])  # S's path log-prob
-    for rank, (tok, lp) in enumerate(zip(tokens, logps)):
-        if len(tree) >= cap and tree.child(parent, int(tok)) < 0:
-            if rank == 0:
-                return False
-            break
-        node = tree.add(parent, int(tok), base + float(lp), by=STRONG)
-        tree.draft_lp[node], tree.draft_rank[node] = float(lp), rank
-        if rank == 0:
-            path.append(node)
-            if proposal is not None:
-                tree.proposal[node] = proposal
-    return True
 
 
 def reselect(tree: DraftTree, top_k: int, lookback: int, max_depth: int,
@@ -301,24 +306,12 @@ def plan_verification(tree: DraftTree, accept: np.ndarray, step_ms: np.ndarray,
     set of every size, and each prefix is ancestor-closed since a child is never more probable
     than its parent. `rate` is the long-run tokens per ms: maximising E - rate * time per step
     maximises the long-run rate (a step that expects little is not made to look good by its
-    own ratio). S = {root} (an AR step) is always a candidate.
-
-    Sampled drafts (`tree.proposal`) and their ancestors are always in S, first: whether one
-    is verified must not depend on the token drawn, or min(1, p/q) acceptance is no longer
-    lossless (docs/design.md §9.4)."""
+    own ratio). S = {root} (an AR step) is always a candidate."""
     prob = path_probability(tree.parent, accept)
-    forced = np.zeros(len(tree), dtype=bool)
-    forced[0] = True
-    for v in tree.proposal:
-        forced[path_to(tree.parent, v)] = True
-    order = np.lexsort((np.arange(len(tree)), np.asarray(tree.depth), -prob, ~forced))
-    lo = int(forced.sum())
-    if lo > len(step_ms):
-        raise ValueError(f"{lo} sampled drafts and ancestors exceed the {len(step_ms)} rows priced")
-    order = order[:len(step_ms)]
+    order = np.lexsort((np.arange(len(tree)), np.asarray(tree.depth), -prob))[:len(step_ms)]
     expected = np.cumsum(prob[order])
     ms = np.asarray(step_ms[:len(order)], dtype=np.float64)
-    n = lo + int(np.argmax((expected - rate * ms)[lo - 1:]))
+    n = 1 + int(np.argmax(expected - rate * ms))
     return Plan(np.sort(order[:n]), float(expected[n - 1]), float(ms[n - 1]))
 
 

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .drafters import QueuedChain
 from .sampling import SamplerSettings, draw, host_probs
 from .tree import DraftTree, attention_mask, positions
 
@@ -46,33 +47,45 @@ def verify(target, cache: KVCache, tree: DraftTree, rows: int = 0) -> mx.array:
     return verify_hidden(target, cache, tree, rows)[0]
 
 
-def verify_hidden(target, cache: KVCache, tree: DraftTree, rows: int = 0
-                  ) -> tuple[mx.array, Optional[mx.array]]:
+def verify_hidden(target, cache: KVCache, tree: DraftTree, rows: int = 0,
+                  chain: Optional[QueuedChain] = None) -> tuple[mx.array, Optional[mx.array]]:
     """`verify`'s logits, and the target's last-layer hidden states (N, H) of every node
     where the target exposes them (None else: a pipeline target's stay on its last rank):
-    what an MTP head drafts from. The same forward as `verify`'s."""
-    ctx, n = cache.offset, len(tree)
+    what an MTP head drafts from. The same forward as `verify`'s. With a `chain` queued on
+    the device, its k tokens follow the tree's N nodes as a branch from the root (rows
+    N..N+k-1, not read back: the forward is queued on them), and the rows returned are N + k."""
+    ctx, n = cache.offset, len(tree) + (len(chain) if chain is not None else 0)
     pad = max(0, rows - n)
-    tokens, parent = tree.token + [tree.token[0]] * pad, tree.parent + [-1] * pad
+    parent = tree.parent + chain_parents(len(tree), n - len(tree)) + [-1] * pad
+    tokens = mx.array(tree.token, dtype=mx.int32)
+    if chain is not None:
+        tokens = mx.concatenate([tokens, chain.tokens])
+    if pad:
+        tokens = mx.concatenate([tokens, mx.full((pad,), tree.token[0], dtype=mx.int32)])
     block = dict(cache=cache, positions=positions(parent, ctx), mask=attention_mask(parent, ctx))
     if not hasattr(target, "run_layers"):
-        return target(mx.array([tokens]), **block)[0, :n], None
-    hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0, :n]
+        return target(tokens[None], **block)[0, :n], None
+    hidden = target.run_layers(target.embed(tokens[None]), **block)[0, :n]
     return target.head(hidden[None])[0], hidden
 
 
+def chain_parents(first: int, k: int) -> list[int]:
+    """Parents of a k-token chain from the root appended at node `first`."""
+    return [0] + list(range(first, first + k - 1)) if k else []
+
+
 def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
-    """Longest path whose drafts all equal the target's argmax; bonus = argmax after it."""
-    best = np.array(mx.argmax(logits, axis=-1))
-    node, path = 0, [0]
-    while True:
-        nxt = tree.child(node, int(best[node]))
-        if nxt < 0:
-            return Acceptance(path, int(best[node]))
-        node = nxt
-        path.append(node)
+    """Longest path whose drafts all equal the target's argmax; bonus = argmax after it.
+    Siblings may carry the same token (a queued chain beside the tree's own drafts): each
+    is followed, and the path that accepts most wins (the first such, on a tie)."""
+    best = np.array(mx.argmax(logits, axis=-1)).tolist()
 
+    def longest(node: int) -> list[int]:
+        below = [longest(c) for c in tree.children_of(node) if tree.token[c] == best[node]]
+        return [node] + max(below, key=len, default=[])
 
+    path = longest(0)
+    return Acceptance(path, best[path[-1]])
 def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
                   rng: np.random.Generator) -> Acceptance:
     """Draw the target's token at each node from the root down (from the residual, after a

@@ -1,8 +1,8 @@
 """Drafters of different cost that expand the one shared draft tree."""
 
-from .base import ChainDrafter, Drafter, Drafters
+from .base import ChainDrafter, Draw, Drafter, Drafters, QueuedChain
 from .model import ModelDrafter
 from .mtp import MtpDrafter
 from .ngram import NgramDrafter, NgramIndex
 
-__all__ = ["ChainDrafter", "Drafter", "Drafters", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NgramIndex"]
+__all__ = ["ChainDrafter", "Draw", "Drafter", "Drafters", "QueuedChain", "ModelDrafter", "MtpDrafter", "NgramDrafter", "NgramIndex"]

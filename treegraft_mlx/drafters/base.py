@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-from ..history import History
+import mlx.core as mx
+import numpy as np
+
+from ..history import History, host_logsumexp
 from ..tree import DraftTree
 
 
@@ -26,15 +29,45 @@ class Drafter(Protocol):
         ...
 
 
+# A logits row -> (a token drawn from its processed distribution q, q), both on the device.
+Draw = Callable[[mx.array], tuple[mx.array, mx.array]]
+
+
+@dataclass(frozen=True)
+class QueuedChain:
+    """A chain of drafts from the root, queued on the device and not read back yet."""
+
+    tokens: mx.array                  # (k,) int32
+    rows: mx.array                    # (k, V) the drafter's logits at each chain position
+    drawn_from: Optional[mx.array]    # (k, V) q of each sampled token; None: greedy drafts
+
+    @classmethod
+    def of(cls, tokens: list[mx.array], rows: list[mx.array],
+           drawn_from: list[mx.array]) -> "QueuedChain":
+        return cls(mx.stack(tokens).astype(mx.int32), mx.stack(rows),
+                   mx.stack(drawn_from) if drawn_from else None)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The tokens and the drafter's log-prob of each, read back; the log-softmax runs on
+        the host (MLX's CPU `exp` is scalar; a chain has a few rows)."""
+        ids, rows = np.array(self.tokens), np.array(self.rows.astype(mx.float32))
+        return ids.tolist(), (rows[np.arange(len(ids)), ids] - host_logsumexp(rows)).tolist()
+
+
 class ChainDrafter(Protocol):
-    """Drafts a chain from the root, one forward per token (ModelDrafter.draft_chain's
-    contract), grafted into the tree by TreeBuild.graft_chain."""
+    """Drafts a chain from the root, one forward per token, queued on the device
+    (ModelDrafter.queue_chain's contract): verified with the tree in the same evaluation, or
+    read back and grafted into it (TreeBuild.graft_chain)."""
 
     name: str
     calls: int
 
-    def draft_chain(self, root: int, k: int, history: History, more=None, sample=None
-                    ) -> tuple[list[int], list[float]]:
+    def queue_chain(self, root: int, k: int, history: History, draw: Optional[Draw] = None
+                    ) -> Optional[QueuedChain]:
+        """None where the drafter cannot draft from this root."""
         ...
 
     def lag(self, history: History) -> int:

@@ -8,20 +8,19 @@ step in its cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import mlx.core as mx
 import numpy as np
 
 from ..device import on_gpu
 from ..history import History, host_logsumexp
+from .base import Draw, QueuedChain
 from ..tree import (NAN, STRONG, DraftTree, ancestor_mask, attention_mask, build_cap, positions,
                     reselect)
 
 
 LogProbs = Union[mx.array, np.ndarray]   # (rows, V): on the device on a GPU, else on the host
-Sample = Callable[[np.ndarray], tuple[int, np.ndarray]]   # log-probs row -> (token, its q)
-More = Callable[[list[int], list[float], Optional[np.ndarray]], bool]   # go on drafting?
 
 
 def log_softmax_top_k(logits: mx.array, k: int) -> tuple[LogProbs, np.ndarray, np.ndarray]:
@@ -180,71 +179,31 @@ class ModelDrafter:
         grafted.sort(key=lambda i: (-tree.score[i], i))
         return grafted if layer == 1 else grafted[:self.top_k]
 
-    def draft_chain(self, root: int, k: int, history: History,
-                    more: Optional[More] = None, sample: Optional[Sample] = None
-                    ) -> tuple[list[int], list[float]]:
-        """Up to k greedy tokens after the root and S's log-prob of each, one forward per token.
-        Without `more`, all k forwards are queued on the device before one readback at the end
-        (each argmax feeds the next forward lazily, as `mlx_lm`'s speculative decoding does).
-        With `more`, each position's top_k tokens (best first) are read back as they are
-        drafted, and the chain ends where `more(tokens, logps, q)` says it no longer pays.
-        With `sample` too (sampled decoding), each chain token is drawn by `sample(log-probs
-        row)`, which returns it and the distribution q it came from (handed to `more`; the
-        drafter's top_k runners-up follow it), instead of being the argmax (q None). The
-        chain's rows never outlive the call in S's cache; the accepted ones sync with the
+    def queue_chain(self, root: int, k: int, history: History,
+                    draw: Optional[Draw] = None) -> QueuedChain:
+        """k tokens after the root, one forward per token, queued on the device and not read
+        back: each token feeds the next forward lazily, as `mlx_lm`'s speculative decoding
+        drafts, so the target's verification can be queued on them before any leaves the
+        device. Greedy (S's argmax) or, with `draw`, drawn from S's processed distribution.
+        The chain's rows never outlive the call in S's cache; the accepted ones sync with the
         next call's prefix."""
-        if sample is not None and more is None:
-            raise ValueError("a sampled chain is read back token by token: give `more`")
         self.observe(history, 0)            # a layer call's tree rows, if any, are stale
         committed = history.committed
         block = mx.array([history.tokens[self.cache.offset:committed] + [root]])
-        lazy: list[tuple[mx.array, mx.array]] = []
-        ids: list[int] = []
-        lps: list[float] = []
+        tokens, rows, drawn_from = [], [], []
         for _ in range(k):
             logits = self.model(block, cache=self.cache,
                                 logits_rows=mx.array([block.shape[1] - 1]))[0, 0]
             self.cache.commit()
-            if more is None:
+            if draw is None:
                 tok = mx.argmax(logits)
-                block = tok.reshape(1, 1)
-                lazy.append((tok, logits))
-                mx.async_eval(block)
-                continue
-            toks, tok_lps, q = chain_token(logits, self.top_k, sample)
-            ids.append(toks[0])
-            lps.append(tok_lps[0])
-            block = mx.array([[ids[-1]]])
-            if not more(toks, tok_lps, q):
-                break
-        if lazy:
-            ids, lps = chain_logprobs(mx.stack([t for t, _ in lazy]),
-                                      mx.stack([r for _, r in lazy]))
+            else:
+                tok, q = draw(logits)
+                drawn_from.append(q)
+            tokens.append(tok)
+            rows.append(logits)
+            block = tok.reshape(1, 1)
+            mx.async_eval(block)
         self.cache.reset(committed)
-        self.calls += len(ids)
-        return ids, lps
-
-
-def chain_token(logits: mx.array, top_k: int, sample: Optional[Sample] = None
-                ) -> tuple[list[int], list[float], Optional[np.ndarray]]:
-    """One chain position read back from its logits row (V,): its top_k tokens, best first,
-    with their log-probs, and None; with `sample`, the token it draws first (the runner-up
-    it displaces dropped) and the distribution q it was drawn from."""
-    logp, top_ids, top_lp = log_softmax_top_k(logits[None].astype(mx.float32), top_k)
-    best = np.argsort(-top_lp[0], kind="stable")
-    toks, tok_lps = top_ids[0, best].tolist(), top_lp[0, best].tolist()
-    if sample is None:
-        return toks, tok_lps, None
-    row = logp[0] if isinstance(logp, np.ndarray) else np.array(logp[0])
-    tok, q = sample(row)
-    at = toks.index(tok) if tok in toks else len(toks) - 1
-    del toks[at], tok_lps[at]
-    return [tok] + toks, [float(row[tok])] + tok_lps, q
-
-
-def chain_logprobs(tokens: mx.array, rows: mx.array) -> tuple[list[int], list[float]]:
-    """A chain's tokens and their log-probs in their rows, read back; the log-softmax runs on
-    the host (MLX's CPU `exp` is scalar; a chain has a few rows)."""
-    mx.eval(tokens, rows)
-    ids, rows = np.array(tokens), np.array(rows.astype(mx.float32))
-    return ids.tolist(), (rows[np.arange(len(ids)), ids] - host_logsumexp(rows)).tolist()
+        self.calls += k
+        return QueuedChain.of(tokens, rows, drawn_from)

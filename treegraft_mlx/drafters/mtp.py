@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..history import History
 from ..tree import build_cap
-from .model import More, Sample, chain_token
+from .base import Draw, QueuedChain
 
 
 class MtpDrafter:
@@ -75,35 +75,37 @@ class MtpDrafter:
         """The first n fed hidden states."""
         return mx.concatenate(self._hidden)[:n]
 
-    def _forward(self, tokens: list[int], hidden: mx.array, position: int) -> mx.array:
-        """The head over rows pairing `hidden` (L, H) with the embeddings of `tokens`, from
-        `position` on, committed to its cache; (1, L, H)."""
-        out = self.target.mtp(self.target.embed(mx.array([tokens])), hidden[None], self.cache,
-                              position)
+    def _forward(self, tokens: mx.array, hidden: mx.array, position: int) -> mx.array:
+        """The head over rows pairing `hidden` (L, H) with the embeddings of `tokens` (1, L),
+        from `position` on, committed to its cache; (1, L, H)."""
+        out = self.target.mtp(self.target.embed(tokens), hidden[None], self.cache, position)
         self.cache.commit()
         self.calls += 1
         return out
 
-    def draft_chain(self, root: int, k: int, history: History, more: Optional[More] = None,
-                    sample: Optional[Sample] = None) -> tuple[list[int], list[float]]:
-        """Up to k tokens after the root and the head's log-prob of each, one head forward per
-        token (ModelDrafter.draft_chain's contract: `more` ends the chain where it no longer
-        pays, `sample` draws each token from the head's processed distribution). None where
-        the head lacks the target's hidden state before the root."""
+    def queue_chain(self, root: int, k: int, history: History, draw: Optional[Draw] = None
+                    ) -> Optional[QueuedChain]:
+        """k tokens after the root, one head forward per token, queued on the device
+        (ModelDrafter.queue_chain's contract: greedy, or drawn with `draw`). None where the
+        head lacks the target's hidden state before the root."""
         c, start = history.committed, self.synced
         if not 0 <= c - 1 - start < self._fed():
-            return [], []
+            return None
         target_hidden = self.target.model.norm(self._rows(c - start))
-        h = self._forward(history.tokens[start + 1:c] + [root], target_hidden, start)[:, -1:]
-        ids: list[int] = []
-        lps: list[float] = []
+        h = self._forward(mx.array([history.tokens[start + 1:c] + [root]]), target_hidden,
+                          start)[:, -1:]
+        tokens, rows, drawn_from = [], [], []
         for i in range(k):
-            toks, tok_lps, q = chain_token(self.target.logits(h)[0, -1], self.top_k, sample)
-            ids.append(toks[0])
-            lps.append(tok_lps[0])
-            if i + 1 == k or (more is not None and not more(toks, tok_lps, q)):
-                break
-            h = self._forward([toks[0]], h[0], c + i)
+            logits = self.target.logits(h)[0, -1]
+            if draw is None:
+                tok = mx.argmax(logits)
+            else:
+                tok, q = draw(logits)
+                drawn_from.append(q)
+            tokens.append(tok)
+            rows.append(logits)
+            if i + 1 < k:
+                h = self._forward(tok.reshape(1, 1), h[0], c + i)
         self.cache.reset(c - 1 - self.base)
         self._hidden = [mx.concatenate(self._hidden)[c - 1 - start:]]
-        return ids, lps
+        return QueuedChain.of(tokens, rows, drawn_from)
