@@ -58,18 +58,18 @@ class Mutant:
 MUTANTS: tuple[Mutant, ...] = (
     # --- verify.py: the verification forward -------------------------------------------------
     Mutant("verify-pad-not-sliced", V,
-           "hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0, :n]",
-           "hidden = target.run_layers(target.embed(mx.array([tokens])), **block)[0]",
+           "hidden = target.run_layers(target.embed(tokens[None]), **block)[0, :n]",
+           "hidden = target.run_layers(target.embed(tokens[None]), **block)[0]",
            "dropped pad handling: the inert pad rows' logits are returned too"),
     Mutant("verify-positions-plus-one", V, "positions=positions(parent, ctx),",
            "positions=positions(parent, ctx + 1),", "tree positions off by one (root at ctx + 1)"),
     # --- verify.py: greedy acceptance ---------------------------------------------------------
-    Mutant("greedy-bonus-from-root", V, "return Acceptance(path, int(best[node]))",
-           "return Acceptance(path, int(best[path[0]]))",
+    Mutant("greedy-bonus-from-root", V, "return Acceptance(path, best[path[-1]])",
+           "return Acceptance(path, best[path[0]])",
            "bonus token from the wrong node (the root's argmax, not the last accepted node's)"),
-    Mutant("greedy-stop-on-zero", V, "        if nxt < 0:\n            return Acceptance(path, int(",
-           "        if nxt <= 0:\n            return Acceptance(path, int(",
-           "< vs <= on the 'no child' sentinel (child() never returns the root, index 0)"),
+    Mutant("greedy-shortest-twin", V, "return [node] + max(below, key=len, default=[])",
+           "return [node] + min(below, key=len, default=[])",
+           "of twin siblings (a queued chain beside the tree), the one that accepts less"),
     # --- verify.py: sampled acceptance --------------------------------------------------------
     Mutant("sample-root-row-everywhere", V,
            "p = host_probs(np.array(logits[node].astype(mx.float32)), settings)",
@@ -173,8 +173,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "acc = accept(tree, logits, SamplerSettings(), rng)",
            "the tree step accepts with default (greedy) settings whatever the regime", LOSSLESS),
     Mutant("decoder-drops-padding", E,
-           "logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows)",
-           "logits, hidden = verify_hidden(session.family.target, session.cache, tree)",
+           "logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)",
+           "logits, hidden = verify_hidden(session.family.target, session.cache, tree, 0, chain)",
            "the chosen padded block size is ignored (performance only, outputs unchanged)"),
 )
 

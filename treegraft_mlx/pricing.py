@@ -84,9 +84,13 @@ class CallPolicy:
     the device with the verification, nothing read back between them, so its length is
     chosen before any of its tokens is seen, as `mlx_lm`'s num_draft_tokens is, but per
     bucket and by measurement: a hill climb from START. The best measured length and its
-    neighbours are measured TRIES times each first; then the best is taken, and every
-    EXPLORE_EVERY-th step of a bucket starts a run of RUN steps of a neighbour (shorter and
-    longer in turn), so the climb follows the text and no estimate goes stale.
+    neighbours are measured TRIES times each first; then the best is taken, and after
+    EXPLORE_EVERY steps of a bucket a run of RUN steps of a neighbour (shorter and longer in
+    turn), so the climb follows the text and no estimate goes stale. Each exploration that
+    finds the best where the last one did doubles the wait before the next (up to
+    EXPLORE_MAX): where one length clearly wins (no call, on most sampled steps) exploring
+    every EXPLORE_EVERY steps cost a fifth of the steps (measured: sampled `treegraft`
+    0.88-0.90x `ar` against 0.91-0.96x for the policy before).
 
     Only steady steps are measured: those whose step before ran the same length. A change
     of length costs the step after it (a call after a step without one syncs the drafter's
@@ -107,6 +111,7 @@ class CallPolicy:
     START = 2                          # where the climb starts (mlx_lm's default)
     TRIES = 3
     EXPLORE_EVERY = 12
+    EXPLORE_MAX = 192
     RUN = 3
     EMA = 0.05
     STEADY_LAG = 12     # a call that synced more committed tokens than this is not measured
@@ -115,9 +120,12 @@ class CallPolicy:
         shape = (len(self.EDGES) + 1, self.LONGEST + 1)     # [bucket, chain length]
         self.tokens, self.ms = np.zeros(shape), np.zeros(shape)
         self.tries = np.zeros(shape, dtype=np.int64)
-        self.steps = np.zeros(shape[0], dtype=np.int64)
         self.runs: dict[int, tuple[int, int]] = {}    # bucket -> (length, steps left)
         self.last = -1                                  # the length the last step ran
+        self.wait = np.full(shape[0], self.EXPLORE_EVERY)   # steps between explorations
+        self.since = np.zeros(shape[0], dtype=np.int64)     # steps since the last one
+        self.explored = np.zeros(shape[0], dtype=np.int64)  # explorations so far
+        self.found = np.full(shape[0], -1)                  # the best when the last began
 
     def bucket(self, expected: float) -> int:
         return int(np.searchsorted(self.EDGES, expected, side="right"))
@@ -134,26 +142,42 @@ class CallPolicy:
             return self.START
         return int(np.argmax(np.where(tried, self.rate(bucket), -1.0)))
 
+    def _around(self, bucket: int) -> list[int]:
+        """The best length in `bucket` and its neighbours, best first."""
+        best = self.best(bucket)
+        return [k for k in (best, best - 1, best + 1) if 0 <= k <= self.LONGEST]
+
+    def _due(self, bucket: int) -> bool:
+        """Whether the next step of `bucket` starts an exploration run."""
+        return (bucket not in self.runs and self.since[bucket] + 1 >= self.wait[bucket]
+                and all(self.tries[bucket, k] >= self.TRIES for k in self._around(bucket)))
+
     def peek(self, bucket: int) -> int:
         """What `choose` will answer next in `bucket`, without counting a step."""
         if bucket in self.runs:
             return self.runs[bucket][0]
-        best = self.best(bucket)
-        around = [k for k in (best, best - 1, best + 1) if 0 <= k <= self.LONGEST]
+        around = self._around(bucket)
         for k in around:
             if self.tries[bucket, k] < self.TRIES:
                 return k
-        n = self.steps[bucket] + 1
-        if n % self.EXPLORE_EVERY:
-            return best
-        return around[1 + (n // self.EXPLORE_EVERY) % (len(around) - 1)]
+        if self._due(bucket):
+            return around[1 + self.explored[bucket] % (len(around) - 1)]
+        return around[0]
 
     def choose(self, bucket: int) -> int:
-        k = self.peek(bucket)
-        self.steps[bucket] += 1
-        left = self.runs.pop(bucket, (k, self.RUN))[1] - 1
-        if k != self.best(bucket) and left > 0:
-            self.runs[bucket] = (k, left)
+        k, due = self.peek(bucket), self._due(bucket)
+        self.since[bucket] += 1
+        if bucket in self.runs:
+            left = self.runs.pop(bucket)[1] - 1
+            if left > 0:
+                self.runs[bucket] = (k, left)
+        elif due:
+            best = self.best(bucket)
+            self.wait[bucket] = (min(2 * self.wait[bucket], self.EXPLORE_MAX)
+                                 if best == self.found[bucket] else self.EXPLORE_EVERY)
+            self.found[bucket], self.since[bucket] = best, 0
+            self.explored[bucket] += 1
+            self.runs[bucket] = (k, self.RUN - 1)
         return k
 
     def observe(self, bucket: int, length: int, tokens: int, ms: float) -> None:
