@@ -5,16 +5,17 @@ per target forward (the drafts it accepted and its bonus token), so stopping, st
 statistics are shared (generate.stream). Strategies by name:
 
   ar                      the target alone
-  chain[:k]               classic speculative decoding: k greedy drafts of the strong drafter
+  chain[:k]               classic speculative decoding: k greedy drafts of the strong
+                          drafter, queued on the device with the verification
   ngram                   endpoint W: the n-gram drafter builds every layer
-  draft                   endpoint S: the strong drafter's greedy chain where the measured
-                          call policy calls, each token drafted while it pays (CallPolicy);
-                          no call is an AR step
+  draft                   endpoint S: the strong drafter's chain, of the length the call
+                          policy measured fastest (CallPolicy; 0 is an AR step), queued on
+                          the device and verified without a readback in between
   mtp                     the target's MTP head's chain alone, priced as `draft` prices S's
-  treegraft               the shared tree: the n-gram tree with the strong drafter's chain
-                          grafted in from the root where the call policy calls for the
-                          n-gram plan's bucket, each token drafted while it pays; on a
-                          target with an MTP head, the head's chain instead of S's
+  treegraft               the shared tree: the n-gram tree and the strong drafter's chain
+                          beside it from the root, of the length the call policy measured
+                          fastest for the n-gram plan's bucket, verified in one forward; on
+                          a target with an MTP head, the head's chain instead of S's
   treegraft-learned       the paper's schedule: the family's learned scheduler decides which
                           layers the strong drafter expands with a tree-mask call (its
                           sampling-calibrated one when sampling, if the bundle has one)

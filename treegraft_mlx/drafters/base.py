@@ -41,12 +41,6 @@ class QueuedChain:
     rows: mx.array                    # (k, V) the drafter's logits at each chain position
     drawn_from: Optional[mx.array]    # (k, V) q of each sampled token; None: greedy drafts
 
-    @classmethod
-    def of(cls, tokens: list[mx.array], rows: list[mx.array],
-           drawn_from: list[mx.array]) -> "QueuedChain":
-        return cls(mx.stack(tokens).astype(mx.int32), mx.stack(rows),
-                   mx.stack(drawn_from) if drawn_from else None)
-
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
@@ -55,6 +49,32 @@ class QueuedChain:
         the host (MLX's CPU `exp` is scalar; a chain has a few rows)."""
         ids, rows = np.array(self.tokens), np.array(self.rows.astype(mx.float32))
         return ids.tolist(), (rows[np.arange(len(ids)), ids] - host_logsumexp(rows)).tolist()
+
+
+class ChainTokens:
+    """A chain being drafted on the device: each position's token from its logits row (the
+    argmax, or drawn with `draw`), kept lazily with the row (and q) it came from."""
+
+    def __init__(self, draw: Optional[Draw] = None):
+        self.draw = draw
+        self.tokens: list[mx.array] = []
+        self.rows: list[mx.array] = []
+        self.drawn_from: list[mx.array] = []
+
+    def add(self, logits: mx.array) -> mx.array:
+        """The next token, from its position's logits (V,): lazy, to feed the next forward."""
+        if self.draw is None:
+            tok = mx.argmax(logits)
+        else:
+            tok, q = self.draw(logits)
+            self.drawn_from.append(q)
+        self.tokens.append(tok)
+        self.rows.append(logits)
+        return tok
+
+    def queued(self) -> QueuedChain:
+        return QueuedChain(mx.stack(self.tokens).astype(mx.int32), mx.stack(self.rows),
+                           mx.stack(self.drawn_from) if self.drawn_from else None)
 
 
 class ChainDrafter(Protocol):

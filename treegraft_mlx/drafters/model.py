@@ -15,7 +15,7 @@ import numpy as np
 
 from ..device import on_gpu
 from ..history import History, host_logsumexp
-from .base import Draw, QueuedChain
+from .base import ChainTokens, Draw, QueuedChain
 from ..tree import (NAN, STRONG, DraftTree, ancestor_mask, attention_mask, build_cap, positions,
                     reselect)
 
@@ -190,20 +190,13 @@ class ModelDrafter:
         self.observe(history, 0)            # a layer call's tree rows, if any, are stale
         committed = history.committed
         block = mx.array([history.tokens[self.cache.offset:committed] + [root]])
-        tokens, rows, drawn_from = [], [], []
+        chain = ChainTokens(draw)
         for _ in range(k):
             logits = self.model(block, cache=self.cache,
                                 logits_rows=mx.array([block.shape[1] - 1]))[0, 0]
             self.cache.commit()
-            if draw is None:
-                tok = mx.argmax(logits)
-            else:
-                tok, q = draw(logits)
-                drawn_from.append(q)
-            tokens.append(tok)
-            rows.append(logits)
-            block = tok.reshape(1, 1)
+            block = chain.add(logits).reshape(1, 1)
             mx.async_eval(block)
         self.cache.reset(committed)
         self.calls += k
-        return QueuedChain.of(tokens, rows, drawn_from)
+        return chain.queued()

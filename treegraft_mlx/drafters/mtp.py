@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..history import History
 from ..tree import build_cap
-from .base import Draw, QueuedChain
+from .base import ChainTokens, Draw, QueuedChain
 
 
 class MtpDrafter:
@@ -94,18 +94,11 @@ class MtpDrafter:
         target_hidden = self.target.model.norm(self._rows(c - start))
         h = self._forward(mx.array([history.tokens[start + 1:c] + [root]]), target_hidden,
                           start)[:, -1:]
-        tokens, rows, drawn_from = [], [], []
+        chain = ChainTokens(draw)
         for i in range(k):
-            logits = self.target.logits(h)[0, -1]
-            if draw is None:
-                tok = mx.argmax(logits)
-            else:
-                tok, q = draw(logits)
-                drawn_from.append(q)
-            tokens.append(tok)
-            rows.append(logits)
+            tok = chain.add(self.target.logits(h)[0, -1])
             if i + 1 < k:
                 h = self._forward(tok.reshape(1, 1), h[0], c + i)
         self.cache.reset(c - 1 - self.base)
         self._hidden = [mx.concatenate(self._hidden)[c - 1 - start:]]
-        return QueuedChain.of(tokens, rows, drawn_from)
+        return chain.queued()
