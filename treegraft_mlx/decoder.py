@@ -213,13 +213,16 @@ class Decoder:
             # tree shape and strategy (with or without the n-gram tree).
             self.calls = family.learned.call_policy(not settings.greedy, session.tree,
                                                     strategy.ngram, self.chainer.name)
-        if self.sizer is not None:
-            self.fallback: Fallback = family.learned.fallback(
+        # Plain stretches, for strategies with n-gram trees: without one (`draft`, `mtp`) a
+        # step with no call is already a pipelined AR step, which the call policy measures
+        # beside its chains (length 0), steady, with no stretch's catch-up in between.
+        self.fallback: Optional[Fallback] = None
+        if self.sizer is not None and strategy.ngram:
+            self.fallback = family.learned.fallback(
                 not settings.greedy, session.tree, strategy.name, costs.ar_ms,
                 shadow=strategy.ngram_only)
         self.stats: list[StepStats] = []
         self.sources: list[str] = []
-        self._asked = 0.0                 # when the chain last asked whether to go on
         self._since: Optional[float] = None   # when the last tree step ended (None: not the last)
         self._calls_before = self._drafter_forwards()
 
@@ -318,16 +321,19 @@ class Decoder:
         child it confirms keeps its subtree for the next step."""
         history, forward = self.session.history, self._forward()
         queued: Optional[Queued] = None        # the forward of `root`, in flight
-        self.fallback.new_text()
+        fallback = self.fallback
+        if fallback is not None:
+            fallback.new_text()
         self._since = None
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            if carried is None and (n := self.fallback.next_stretch()):
+            if carried is None and fallback is not None and (n := fallback.next_stretch()):
                 if self.trace is not None:
                     self.trace(f"stretch of {n} AR steps")
                 root, queued = yield from self._ar_stretch(root, forward, queued, n)
                 continue
             t0 = self.clock()
+            looping = self.session.ngram.index.repeats(history.tokens)   # Fallback.loop_pays
             choice: Optional[tuple[int, int]] = None   # (bucket, chain length) of a priced build
             chain: Optional[QueuedChain] = None        # its chain, queued on the device
             # Whether to run the n-gram drafter (a priced build still asks the call policy).
@@ -359,7 +365,7 @@ class Decoder:
                     accepted=0, nodes_verified=len(tree) + k, nodes_built=len(full) + k,
                     layers=used, t_draft=t1 - t0, t_verify=0.0, t_accept=0.0,
                     t_schedule=t_schedule, rows=rows, expected=plan.expected, chain=k), chain)
-                self._learn(choice, block, t0)
+                self._learn(choice, block, t0, looping)
                 yield block
                 root = acc.bonus
                 continue
@@ -376,22 +382,28 @@ class Decoder:
                 accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
                 t_schedule=t_schedule, rows=1, expected=plan.expected))
-            self._learn(choice, [nxt], t0)
+            self._learn(choice, [nxt], t0, looping)
             yield self._by_target(nxt)
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
-    def _learn(self, choice: Optional[tuple[int, int]], block: list[int], t0: float) -> None:
-        """A tree step that began at `t0` committed `block`: the fallback and the call policy
-        (for the `choice` of a priced build) learn its rate. The step's time runs from the
-        end of the step before it, if that was a tree step: what the caller did with that
-        step's tokens is part of the cost, and a step of one token pays it as often as a
-        step of many."""
-        now = self.clock()
-        ms = 1000 * (now - (t0 if self._since is None else self._since))
+    def _learn(self, choice: Optional[tuple[int, int]], block: list[int], t0: float,
+               looping: bool) -> None:
+        """A tree step that began at `t0` (inside a loop, if `looping`) committed `block`: the
+        fallback and the call policy (for the `choice` of a priced build) learn its rate. The
+        step's time runs from the end of the step before it, if that was a tree step: what
+        the caller did with that step's tokens is part of the cost, and a step of one token
+        pays it as often as a step of many. The first tree step after the prefill or a
+        stretch also catches up with what they committed (scoring its rows, syncing the
+        drafter's cache): it prices the switch, not tree steps, and the fallback does not
+        measure it (measured: greedy `draft` then found its chains slower than AR, 0.062
+        against 0.064 tokens a ms, while its steady chains ran at 0.073)."""
+        now, steady = self.clock(), self._since is not None
+        ms = 1000 * (now - (self._since if steady else t0))
         self._since = now
-        self.fallback.observe_tree(len(block), ms)
+        if self.fallback is not None:
+            self.fallback.observe_tree(len(block), ms, looping, steady)
         if choice is not None:
             self.calls.observe(*choice, len(block), ms)
 
@@ -422,7 +434,7 @@ class Decoder:
                 done, busy = done + 1, self.clock() - t0   # the caller's time included
                 yield self._by_target(nxt)
                 queued = after
-                if index.repeats(history.tokens):
+                if index.repeats(history.tokens) and self.fallback.loop_pays():
                     break           # the text loops: drafts may pay again; probe the tree
         finally:        # what ran is measured, also when the caller stops inside the stretch
             if done:

@@ -198,9 +198,10 @@ class Fallback:
     accepts nothing on most steps, and a tree step's host work (the logits row, the history's
     log-probs, drafting, sizing) then costs more than a plain AR step; a stretch does exactly
     what `ar` does. Every PROBE tree steps the rates are compared: while AR is faster the next
-    stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades);
-    once the tree is faster again, or a new generation starts, stretches restart short. A
-    stretch also ends where the text starts to loop (the decoder checks the n-gram index).
+    stretch runs, each twice as long as the last (to MAX_STRETCH, so the probes' cost fades,
+    also across generations); once the tree is faster again, stretches restart short. A
+    stretch also ends where the text starts to loop (the decoder checks the n-gram index), as
+    long as tree steps begun inside a loop have not measured slower than AR (`loop_pays`).
     With `shadow` (drafts from the n-gram drafter alone), a stretch that ran to its end is
     followed by the next one at once, without probing, when the n-gram drafter's top guesses
     during it (`observe_shadow`) say a tree step cannot beat AR; a new generation then
@@ -217,6 +218,8 @@ class Fallback:
     def __init__(self, ar_ms: float, depth: int = 0):
         """`depth` > 0 turns on the shadow rule for trees of that depth."""
         self.tree = np.zeros(2)                 # moving averages of (tokens, ms) per tree step
+        self.loop = np.zeros(2)                 # ... of tree steps begun inside a loop
+        self.loop_steps = 0
         self.ar = np.array([1.0, ar_ms])        # ... per AR step, over stretches
         self.tree_steps = self.ar_stretches = 0
         self.since = 0                          # tree steps since the last decision
@@ -227,17 +230,34 @@ class Fallback:
         self.shadow = np.zeros(2)               # (hits, guesses) of the n-gram guess in it
 
     def new_text(self) -> None:
-        """A generation starts: its text, not the last one's, decides how long stretches get.
-        Where the shadow rule may skip probes and tree steps measured slower, it starts with a
-        stretch, whose guesses decide whether a probe follows."""
-        self.since, self.stretch, self.handed = 0, self.FIRST_STRETCH, 0
-        if self.depth and self.tree_steps >= self.PROBE and not self.faster():
+        """A generation starts. Where tree steps have measured slower, it starts with a
+        stretch, as long as the last one handed out doubled (the probes' cost would otherwise
+        restart with every generation: 16, 32 and 64-step stretches and their probes in each
+        128-token reply); else stretches restart short."""
+        self.since, self.handed = 0, 0
+        if self.tree_steps >= self.PROBE and not self.faster():
             self.since = self.PROBE
+        else:
+            self.stretch = self.FIRST_STRETCH
 
-    def observe_tree(self, tokens: int, ms: float) -> None:
-        self.tree_steps += 1
+    def observe_tree(self, tokens: int, ms: float, looping: bool = False,
+                     measured: bool = True) -> None:
+        """A tree step committed `tokens` in `ms`; `looping`: it began inside a loop. Not
+        `measured`, it only counts towards the next decision."""
         self.since += 1
-        self.tree += max(self.EMA, 1.0 / self.tree_steps) * (np.array([tokens, ms]) - self.tree)
+        if not measured:
+            return
+        self.tree_steps += 1
+        step = np.array([tokens, ms])
+        self.tree += max(self.EMA, 1.0 / self.tree_steps) * (step - self.tree)
+        if looping:
+            self.loop_steps += 1
+            self.loop += max(self.EMA, 1.0 / self.loop_steps) * (step - self.loop)
+
+    def loop_pays(self) -> bool:
+        """Whether a stretch should end where the text starts to loop: tree steps begun inside
+        a loop have measured faster than AR, or too few have been measured to tell."""
+        return self.loop_steps < self.PROBE or self.loop[0] * self.ar[1] >= self.loop[1]
 
     def observe_ar(self, tokens: int, ms: float) -> None:
         """A stretch committed `tokens` in `ms` of wall time."""
