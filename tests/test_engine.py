@@ -468,38 +468,83 @@ def test_shadow_rule_skips_probes_only_where_the_guesses_say_ar_wins():
     assert fallback.next_stretch() == Fallback.FIRST_STRETCH
 
 
-def test_call_policy_climbs_to_the_measured_fastest_length_and_explores_its_neighbours():
-    """From START, the best measured length and its neighbours are measured first; the climb
-    ends at the fastest length and explores a neighbour in runs of RUN steps, each wait twice
-    the last while the best stays put; only steady steps are measured; a change of the text
-    moves the climb."""
+def _policy_steps(policy, bucket, steps, matched, ngram=0):
+    """Run `policy` for `steps` steps of `bucket` against a drafter whose chain matches
+    exactly `matched` tokens, beside n-gram drafts reaching `ngram`; a step of chain length
+    k costs 10 + 5k ms (12 without a call). Returns the lengths chosen."""
+    from treegraft_mlx.tree import Reach
+
+    ran = []
+    for _ in range(steps):
+        k = policy.choose(bucket)
+        ran.append(k)
+        tokens = 1 + max(ngram, min(k, matched))
+        policy.observe(bucket, k, tokens, 10.0 + 5 * k if k else 12.0,
+                       Reach(ngram, min(k, matched), k) if k else None)
+    return ran
+
+
+def test_call_policy_climbs_to_the_fastest_length_its_model_prices_and_explores_around_it():
+    """From START, the best priced length and its neighbours are timed first; every chain
+    step, whatever its length, teaches the one model of the chain's matches, so each length
+    is priced on the same steps; the climb ends at the fastest length and explores a
+    neighbour in runs of RUN steps, each wait twice the last while the best stays put; a
+    change of the text moves the climb."""
     from treegraft_mlx.pricing import CallPolicy
 
     policy = CallPolicy()
     poor, rich = policy.bucket(1.0), policy.bucket(3.0)
     assert poor == 0 and rich == len(CallPolicy.EDGES)
-    speed = np.array([1.0, 1.3, 1.5, 1.7, 1.6, 1.2, 1.0]) / 20           # tokens per ms
-    ran = []
-    for _ in range(1000):
-        k = policy.choose(poor)
-        ran.append(k)
-        policy.observe(poor, k, 1000 * speed[k], 1000.0)
-    assert ran[0] == CallPolicy.START and policy.best(poor) == 3
+    ran = _policy_steps(policy, poor, 1000, matched=2)   # 1 + min(k, 2) tokens in 10 + 5k ms
+    assert ran[0] == CallPolicy.START and policy.best(poor) == 2
+    assert policy.expected(poor)[1:4] == pytest.approx([2, 3, 3], abs=0.05)   # depth 3 misses
+    assert policy.rate(poor)[2] == pytest.approx(3 / 20)
     settled = ran[100:]
-    assert set(settled) == {2, 3, 4}                                      # neighbours only
+    assert set(settled) == {1, 2, 3}                                      # neighbours only
     runs = [(k, len(list(g))) for k, g in groupby(settled)]
-    assert {n for k, n in runs[1:-1] if k != 3} == {CallPolicy.RUN}
-    waits = [n for k, n in runs[1:-1] if k == 3]
+    assert {n for k, n in runs[1:-1] if k != 2} == {CallPolicy.RUN}
+    waits = [n for k, n in runs[1:-1] if k == 2]
     assert waits == sorted(waits) and waits[-1] >= CallPolicy.EXPLORE_MAX - CallPolicy.RUN
     assert policy.peek(rich) == CallPolicy.START                          # its own evidence
-    assert policy.rate(poor)[3] == pytest.approx(speed[3])
-    before = policy.tries[poor].sum()
-    policy.observe(poor, 0, 1, 1000.0)                                    # after a 3: a change
-    assert policy.tries[poor].sum() == before
-    for _ in range(400):                                                  # the text changes:
-        k = policy.choose(poor)                                           # long chains fail
-        policy.observe(poor, k, 1000 * (speed[0] if k else 2 * speed[0]), 1000.0)
+    _policy_steps(policy, poor, 400, matched=0)          # the text changes: S never matches
     assert policy.best(poor) == 0
+
+
+def test_call_policy_prices_the_deeper_of_chain_and_ngram_drafts_and_times_only_steady_steps():
+    """Where the n-gram drafts beside the chain reach deeper than it, the chain adds nothing
+    priced; a step whose length differs from the last one's, or one not `timed`, teaches
+    the model but is not timed."""
+    from treegraft_mlx.pricing import CallPolicy
+    from treegraft_mlx.tree import Reach
+
+    policy = CallPolicy()
+    rich = policy.bucket(3.0)
+    _policy_steps(policy, rich, 300, matched=1, ngram=2)
+    assert policy.expected(rich)[1:4] == pytest.approx([3, 3, 3], abs=0.05)
+    assert policy.best(rich) == 0
+    before = policy.tries[rich].sum()
+    policy.observe(rich, 3, 2, 1000.0, Reach(0, 1, 3))                    # after a 0: a change
+    policy.observe(rich, 3, 2, 1000.0, Reach(0, 1, 3), timed=False)
+    assert policy.tries[rich].sum() == before and policy.ms[rich, 3] < 1000
+
+
+def test_call_policy_recovers_from_a_bad_stretch_without_calls():
+    """While no chain runs, the match rates drift back to their long-run values, and the
+    steps that run without asking (their forward queued ahead) count towards the next
+    exploration: a bad stretch of text does not stop the calls for good."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    policy = CallPolicy()
+    _policy_steps(policy, 0, 600, matched=3)
+    usual = policy.expected(0)[2]
+    policy.EMA = 0.5                                     # a short, bad stretch weighs in fast
+    _policy_steps(policy, 0, 12, matched=0)
+    assert policy.best(0) == 0
+    for _ in range(policy.EXPLORE_MAX + 1):                # all queued ahead: no asking
+        policy.pass_by(0)
+        policy.observe(0, 0, 1, 12.0)
+    assert policy.expected(0)[2] == pytest.approx(usual, rel=0.05)
+    assert policy.peek(0) > 0
 
 
 def test_a_priced_step_verifies_the_chain_length_the_policy_picks(family):

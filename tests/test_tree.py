@@ -8,7 +8,7 @@ from treegraft_mlx.drafters import ModelDrafter, NgramDrafter, NgramIndex
 from treegraft_mlx.history import History
 from treegraft_mlx.tree import (NGRAM, STRONG, DraftTree, ancestor_mask, attention_mask,
                                 build_cap, depths, graft_chain, path_to, positions,
-                                prune)
+                                prune, reach)
 
 
 def small_tree() -> DraftTree:
@@ -264,6 +264,21 @@ def test_a_chain_appended_beside_its_twin_keeps_its_own_rows():
     assert t.child(0, 9) == a and t.children_of(0) == [a, 3] and t.child(3, 10) == 4
     assert t.drafted_by[a] == t.drafted_by[3] == NGRAM | STRONG and t.drafted_by[4] == STRONG
     assert t.proposal[3] is q[0] and t.proposal[4] is q[1]
+
+
+def test_reach_measures_the_ngram_drafts_and_the_chain_apart():
+    """How deep each drafter's drafts matched the committed tokens: the n-gram drafts by the
+    deepest matching path among the nodes before the chain (never through the chain's own
+    twin), the chain by its matching prefix, of the depths the block shows."""
+    t = DraftTree.rooted_at(4)
+    a = t.add(0, 9, -0.1, by=NGRAM)
+    t.add(a, 3, -0.2, by=NGRAM)
+    t.add(0, 5, -0.3, by=NGRAM)
+    t.append_chain([9, 10, 12], STRONG)
+    assert reach(t, 4, [9, 3, 8]) == (2, 1, 3)       # n-gram 9 3; the chain's 10 missed
+    assert reach(t, 4, [9, 10, 12, 7]) == (1, 3, 3)  # the whole chain; the n-gram tree 9
+    assert reach(t, 4, [9, 10]) == (1, 2, 2)         # a block of two shows two depths
+    assert reach(t, 4, [6]) == (0, 0, 1)
 
 
 def test_graft_chain_merges_into_the_tree_and_respects_the_cap():

@@ -47,7 +47,7 @@ from .sampling import DeviceDraws, SamplerSettings, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
-from .tree import SOURCES, STRONG, DraftTree, Plan, prune
+from .tree import SOURCES, STRONG, DraftTree, Plan, Reach, prune, reach
 from .verify import Acceptance, accept, verify_hidden
 
 DEFAULT_CHAIN_K = 4
@@ -365,10 +365,12 @@ class Decoder:
                     accepted=0, nodes_verified=len(tree) + k, nodes_built=len(full) + k,
                     layers=used, t_draft=t1 - t0, t_verify=0.0, t_accept=0.0,
                     t_schedule=t_schedule, rows=rows, expected=plan.expected, chain=k), chain)
-                self._learn(choice, block, t0, looping)
+                self._learn(choice, block, t0, looping,
+                            reach(tree, len(tree) - k, block) if k else None)
                 yield block
                 root = acc.bonus
                 continue
+            ahead = queued is not None           # its forward was queued by the step before
             if queued is None:
                 queued = forward(mx.array(root))
             after = (forward(queued.token)
@@ -382,16 +384,18 @@ class Decoder:
                 accepted=0, nodes_verified=1, nodes_built=len(full), layers=used,
                 t_draft=t1 - t0, t_verify=t2 - t1, t_accept=self.clock() - t2,
                 t_schedule=t_schedule, rows=1, expected=plan.expected))
-            self._learn(choice, [nxt], t0, looping)
+            # Timed for the call policy only inside a pipelined run (CallPolicy.observe).
+            self._learn(choice, [nxt], t0, looping, timed=ahead and after is not None)
             yield self._by_target(nxt)
             if after is None and (c := full.child(0, nxt)) >= 0:
                 carried = full.rerooted(c)
             root, queued = nxt, after
 
     def _learn(self, choice: Optional[tuple[int, int]], block: list[int], t0: float,
-               looping: bool) -> None:
+               looping: bool, matched: Optional[Reach] = None, timed: bool = True) -> None:
         """A tree step that began at `t0` (inside a loop, if `looping`) committed `block`: the
-        fallback and the call policy (for the `choice` of a priced build) learn its rate. The
+        fallback and the call policy (for the `choice` of a priced build; with how far a
+        chain step's drafts `matched` the block) learn its rate. The
         step's time runs from the end of the step before it, if that was a tree step: what
         the caller did with that step's tokens is part of the cost, and a step of one token
         pays it as often as a step of many. The first tree step after the prefill or a
@@ -405,7 +409,7 @@ class Decoder:
         if self.fallback is not None:
             self.fallback.observe_tree(len(block), ms, looping, steady)
         if choice is not None:
-            self.calls.observe(*choice, len(block), ms)
+            self.calls.observe(*choice, len(block), ms, matched, timed)
 
     def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
                     steps: int) -> Iterator[list[int]]:
@@ -475,7 +479,11 @@ class Decoder:
         plan = sizer.plan(build.tree, history.committed)
         t0 = self.clock()
         bucket = self.calls.bucket(plan.expected)
-        k = 0 if in_flight else self.calls.choose(bucket)
+        k = 0
+        if in_flight:
+            self.calls.pass_by(bucket)
+        else:
+            k = self.calls.choose(bucket)
         build.t_schedule = self.clock() - t0       # the policy's own work
         steady = self.chainer.lag(history) <= self.calls.STEADY_LAG
         chain = None

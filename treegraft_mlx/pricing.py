@@ -12,7 +12,7 @@ import numpy as np
 
 from .acceptance import AcceptanceModel
 from .timing import StepCosts
-from .tree import DraftTree, Plan, plan_verification
+from .tree import DraftTree, Plan, Reach, plan_verification
 
 if TYPE_CHECKING:                 # family.py owns a Learned: no import back at run time
     from .family import TreeConfig
@@ -78,31 +78,39 @@ class Sizer:
 class CallPolicy:
     """How long a step's chain from the root runs, 0 being no call (docs/design.md §9).
 
-    Measured, per bucket of the n-gram plan's expected tokens (the drafter helps most where
-    the n-gram drafter found little): the committed tokens per ms of the steps that ran each
-    chain length, as slow moving averages of tokens and of wall time. The chain is queued on
-    the device with the verification, nothing read back between them, so its length is
-    chosen before any of its tokens is seen, as `mlx_lm`'s num_draft_tokens is, but per
-    bucket and by measurement: a hill climb from START. The best measured length and its
-    neighbours are measured TRIES times each first; then the best is taken, and after
-    EXPLORE_EVERY steps of a bucket a run of RUN steps of a neighbour (shorter and longer in
-    turn), so the climb follows the text and no estimate goes stale. Each exploration that
+    Priced per bucket of the n-gram plan's expected tokens (the drafter helps most where the
+    n-gram drafter found little) as expected committed tokens over measured wall time. The
+    time of each length is measured: a slow moving average of the steady steps that ran it.
+    The tokens of a chain of any length come from one model fed by every chain step of the
+    bucket, whatever its length (`expected`): how often the chain's token at each depth
+    matched the target's there, given the tokens above it did, and how deep the n-gram
+    drafts verified beside it reached. Measuring each length's own tokens compared lengths
+    on different stretches of text, a few noisy steps each (measured: greedy `draft` at
+    0.080 tokens a ms against 0.092 for a fixed chain of 2, its estimates ranking 1 above 3
+    after 341 steady steps of 3 had run at 0.092 against 0.076 for 1); one model compares
+    them on the same steps. The chain is queued on the device with the verification,
+    nothing read back between them, so its length is chosen before any of its tokens is
+    seen, as `mlx_lm`'s num_draft_tokens is, but per bucket and by measurement: a hill climb
+    from START. The best priced length and its neighbours are timed TRIES times each
+    first; then the best is taken, and after EXPLORE_EVERY steps of a bucket a run of RUN
+    steps of a neighbour (shorter and longer in turn), so the times stay current and a
+    policy that stopped calling still sees the drafter's tokens. Each exploration that
     finds the best where the last one did doubles the wait before the next (up to
     EXPLORE_MAX): where one length clearly wins (no call, on most sampled steps) exploring
     every EXPLORE_EVERY steps cost a fifth of the steps (measured: sampled `treegraft`
     0.88-0.90x `ar` against 0.91-0.96x for the policy before).
 
-    Only steady steps are measured: those whose step before ran the same length. A change
+    Only steady steps are timed: those whose step before ran the same length. A change
     of length costs the step after it (a call after a step without one syncs the drafter's
-    cache; a step without one after a call cannot be pipelined), so measuring every step
+    cache; a step without one after a call cannot be pipelined), so timing every step
     prices the mixture, not the length (measured: every length 0-3 of greedy `draft` at
     0.064-0.065 tokens a ms, while a chain of 2 on every step ran at 0.086).
 
     The estimates live on the family (per regime) and keep learning across generations:
     choices depend on what ran before, never on the current step's target logits (output
     stays exact). A call after a plain stretch first syncs everything the stretch committed
-    into the drafter's cache; that step is not measured (it prices the stretch, not the
-    call), or the only calls measured would be the slow ones after stretches and the policy
+    into the drafter's cache; that step is not timed (it prices the stretch, not the
+    call), or the only calls timed would be the slow ones after stretches and the policy
     would never call again (measured: greedy `draft` called on 2% of steps, 0.95x `ar`,
     while a fixed chain of 2 ran at 1.26x)."""
 
@@ -114,12 +122,21 @@ class CallPolicy:
     EXPLORE_MAX = 192
     RUN = 3
     EMA = 0.05
-    STEADY_LAG = 12     # a call that synced more committed tokens than this is not measured
+    MATCH_PRIOR = 0.5   # a depth's match rate before the chain has reached it
+    USUAL_EMA = 0.01    # the long-run match rates ...
+    RELAX = 0.02        # ... which the current ones return to, a step without a call
+    STEADY_LAG = 12     # a call that synced more committed tokens than this is not timed
 
     def __init__(self):
-        shape = (len(self.EDGES) + 1, self.LONGEST + 1)     # [bucket, chain length]
-        self.tokens, self.ms = np.zeros(shape), np.zeros(shape)
-        self.tries = np.zeros(shape, dtype=np.int64)
+        shape = (len(self.EDGES) + 1, self.LONGEST + 1)     # [bucket, chain length / depth]
+        self.ms = np.zeros(shape)                           # time of a steady step
+        self.tries = np.zeros(shape, dtype=np.int64)        # steady steps timed
+        self.plain = np.zeros(shape[0])                     # tokens of a step without a call
+        self.match = np.full(shape, self.MATCH_PRIOR)   # [b, d]: S's token at depth d matched
+        self.usual = np.full(shape, self.MATCH_PRIOR)   # ... over the long run
+        self.reached = np.zeros(shape, dtype=np.int64)      # ... chain steps that saw depth d
+        self.ngram = np.zeros(shape)            # [b, d]: the n-gram drafts reached depth d
+        self.chain_steps = np.zeros(shape[0], dtype=np.int64)
         self.runs: dict[int, tuple[int, int]] = {}    # bucket -> (length, steps left)
         self.last = -1                                  # the length the last step ran
         self.wait = np.full(shape[0], self.EXPLORE_EVERY)   # steps between explorations
@@ -130,9 +147,26 @@ class CallPolicy:
     def bucket(self, expected: float) -> int:
         return int(np.searchsorted(self.EDGES, expected, side="right"))
 
+    def expected(self, bucket: int) -> np.ndarray:
+        """Expected committed tokens of each chain length in `bucket`: the bonus, plus the
+        accepted depth, the deeper of the chain's and the n-gram drafts' (each depth reached
+        by either), the two taken as independent within the bucket. Length 0 is what steps
+        without a call committed."""
+        seen = self.reached[bucket] > 0
+        rates = np.where(seen, self.match[bucket], np.nan)[1:]
+        rates = _fill_forward(rates, self.MATCH_PRIOR)
+        chain = np.concatenate([[1.0], np.cumprod(rates)])      # P(chain reaches depth d)
+        either = 1.0 - (1.0 - self.ngram[bucket]) * (1.0 - chain)
+        either[0] = 0.0
+        out = 1.0 + np.array([either[1:k + 1].sum() + self.ngram[bucket, k + 1:].sum()
+                              for k in range(self.LONGEST + 1)])
+        out[0] = self.plain[bucket]
+        return out
+
     def rate(self, bucket: int) -> np.ndarray:
-        """Measured committed tokens per ms of each chain length in `bucket` (0 untried)."""
-        return np.divide(self.tokens[bucket], self.ms[bucket],
+        """Expected committed tokens per measured ms of each chain length in `bucket` (0
+        untimed)."""
+        return np.divide(self.expected(bucket), self.ms[bucket],
                          out=np.zeros(self.LONGEST + 1), where=self.ms[bucket] > 0)
 
     def best(self, bucket: int) -> int:
@@ -164,6 +198,13 @@ class CallPolicy:
             return around[1 + self.explored[bucket] % (len(around) - 1)]
         return around[0]
 
+    def pass_by(self, bucket: int) -> None:
+        """A step of `bucket` ran without asking (its forward was queued ahead on the bet of
+        no call): it counts towards the next exploration, or a policy that stopped calling
+        would never explore again (measured: greedy `draft` ran whole generations without a
+        call once its best length was 0)."""
+        self.since[bucket] += 1
+
     def choose(self, bucket: int) -> int:
         k, due = self.peek(bucket), self._due(bucket)
         self.since[bucket] += 1
@@ -180,16 +221,55 @@ class CallPolicy:
             self.runs[bucket] = (k, self.RUN - 1)
         return k
 
-    def observe(self, bucket: int, length: int, tokens: int, ms: float) -> None:
+    def observe(self, bucket: int, length: int, tokens: int, ms: float,
+                reach: Optional[Reach] = None, timed: bool = True) -> None:
         """A step in `bucket` that ran a chain of `length` (0: no call) committed `tokens` in
-        `ms` (its wall time: drafting, verification, acceptance); measured if steady."""
+        `ms` (its wall time: drafting, verification, acceptance), timed if steady and not
+        told otherwise; `reach`: how far its drafts matched what it committed (a chain
+        step's). A step without a call is `timed` only inside a pipelined run (its forward
+        queued by the step before, the next one queued by it): the last before a call
+        reads a forward its predecessor paid for and queues none, and measured so the steps
+        without a call looked faster than plain `ar` (11.1 against 12.1 ms a token)."""
         steady, self.last = length == self.last, length
-        if not steady:
+        if length == 0:
+            n = self.tries[bucket, 0] + 1
+            self.plain[bucket] += max(self.EMA, 1.0 / n) * (tokens - self.plain[bucket])
+            self.match[bucket] += self.RELAX * (self.usual[bucket] - self.match[bucket])
+        elif reach is not None:
+            self._learn_reach(bucket, reach)
+        if not (steady and timed):
             return
         self.tries[bucket, length] += 1
         w = max(self.EMA, 1.0 / self.tries[bucket, length])
-        self.tokens[bucket, length] += w * (tokens - self.tokens[bucket, length])
         self.ms[bucket, length] += w * (ms - self.ms[bucket, length])
+
+    def _learn_reach(self, bucket: int, reach: Reach) -> None:
+        """Each depth the chain was seen at matched or not; the n-gram drafts reached or not
+        each depth. While no chain runs, the match rates drift back to their long-run values
+        (RELAX, in `observe`): a bad stretch of text, which stopped the calls, would
+        otherwise price them until the next exploration, up to EXPLORE_MAX steps later
+        (measured: greedy `draft` ran 250-step stretches without calls, each followed by
+        calls of 1 that ran at 0.094 tokens a ms against 0.078 without)."""
+        self.chain_steps[bucket] += 1
+        depth = np.arange(1, self.LONGEST + 1)
+        w = max(self.EMA, 1.0 / self.chain_steps[bucket])
+        self.ngram[bucket, 1:] += w * ((depth <= reach.ngram) - self.ngram[bucket, 1:])
+        for d in range(1, min(reach.chain + 1, reach.seen) + 1):
+            self.reached[bucket, d] += 1
+            hit, n = d <= reach.chain, self.reached[bucket, d] + 1    # the prior: one step
+            self.match[bucket, d] += max(self.EMA, 1.0 / n) * (hit - self.match[bucket, d])
+            self.usual[bucket, d] += max(self.USUAL_EMA, 1.0 / n) * (hit - self.usual[bucket, d])
+
+
+def _fill_forward(values: np.ndarray, first: float) -> np.ndarray:
+    """`values` with each NaN replaced by the last value before it (`first` at the start)."""
+    out, last = values.copy(), first
+    for i, v in enumerate(out):
+        if np.isnan(v):
+            out[i] = last
+        else:
+            last = v
+    return out
 
 
 class Fallback:

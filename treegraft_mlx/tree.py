@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -211,6 +211,33 @@ class DraftTree:
         base = t.depth[0]
         t.depth = [d - base for d in t.depth]
         return t
+
+
+class Reach(NamedTuple):
+    """How deep a step's drafts matched what it committed (CallPolicy learns from it)."""
+
+    ngram: int          # the n-gram drafts' deepest matching path
+    chain: int          # the chain's matching prefix
+    seen: int           # the chain's depths the committed tokens show
+
+
+def reach(tree: DraftTree, chain_from: int, block: Sequence[int]) -> Reach:
+    """How far the drafts of a verified `tree` matched `block`, the tokens committed after
+    its root: the n-gram drafts (nodes before `chain_from`) and the chain hung from the root
+    (the nodes from `chain_from` on, one below the other). A draft matches where it is the
+    token the target committed there, accepted or not (a greedy target's tokens are those a
+    chain would have had to match; sampled, a chain token is accepted only if it matches)."""
+    node, ngram = 0, 0
+    while ngram < len(block):
+        kids = [c for c in tree.children_of(node)
+                if c < chain_from and tree.token[c] == block[ngram]]
+        if not kids:
+            break
+        node, ngram = kids[0], ngram + 1
+    chain = [int(t) for t in tree.token[chain_from:]]
+    seen = min(len(chain), len(block))
+    matched = next((i for i in range(seen) if chain[i] != block[i]), seen)
+    return Reach(ngram, matched, seen)
 
 
 def graft_chain(tree: DraftTree, tokens: Sequence[int], logps: Sequence[float],
