@@ -7,6 +7,7 @@ import pytest
 
 from treegraft_mlx import history as history_module
 from treegraft_mlx.history import History, followed_logprobs
+from treegraft_mlx.readback import read_back
 
 
 def reference(row: np.ndarray, token: int) -> float:
@@ -30,8 +31,8 @@ def test_followed_logprobs_score_every_rank_as_the_reference(monkeypatch, device
 
 
 def test_deferred_rows_are_scored_against_the_tokens_that_followed():
-    """A deferred block is scored when read, with the tokens known by then; unscored positions
-    read 0.0."""
+    """Deferred rows are scored with the tokens known by then, when asked for (`scores`);
+    unscored positions read 0.0, never computed on a read."""
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 64, 40).tolist()
     rows = rng.normal(0, 2, (39, 64)).astype(np.float32)
@@ -39,8 +40,9 @@ def test_deferred_rows_are_scored_against_the_tokens_that_followed():
     h.defer(0, mx.array(rows[:29]), history_module.as_logits)
     h.extend(tokens[30:])
     want = [reference(rows[p], tokens[p + 1]) for p in range(29)]
-    assert h.logprob(3) == pytest.approx(want[3], abs=1e-4)
+    assert h.logprob(3) == 0.0
     assert np.allclose(h.scores(29), want, atol=1e-4)
+    assert h.logprob(3) == pytest.approx(want[3], abs=1e-4)
     assert h.logprob(35) == 0.0
 
 
@@ -55,9 +57,10 @@ def test_deferred_rows_past_the_capacity_grow_the_scores():
     assert np.allclose(h.scores(23), want, atol=1e-4)
 
 
-def test_prefetch_scores_only_the_rows_asked_for_in_one_evaluation():
-    """A drafter's scattered reads are scored in one head evaluation of just those rows (not
-    their 16-row blocks), equal to the block path; the rest of a block is scored when read."""
+def test_prefetch_queues_only_the_rows_asked_for_in_one_evaluation():
+    """A drafter's scattered reads are queued in one head evaluation of just those rows (not
+    their 16-row blocks) and read back with the step's readback (`pending`, `collect`), equal
+    to the block path; until then, and for the rest of a block, positions read unscored."""
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 64, 60).tolist()
     rows = rng.normal(0, 2, (59, 64)).astype(np.float32)
@@ -72,8 +75,23 @@ def test_prefetch_scores_only_the_rows_asked_for_in_one_evaluation():
     h.defer(40, mx.array(rows[40:]), head)
     want = [reference(rows[p], tokens[p + 1]) for p in range(59)]
     h.prefetch([3, 17, 17, 45, 58, 59, 200])      # repeats and positions past the end ignored
-    assert evaluated == [4]
+    h.prefetch([3, 45])                           # queued already: not again
+    assert evaluated == [4] and len(h.pending()) == 1
+    assert h.logprob(3) == 0.0                    # not read back yet
+    h.collect(read_back(*h.pending()))
+    assert h.pending() == []
     assert all(h.logprob(p) == pytest.approx(want[p], abs=1e-4) for p in (3, 17, 45, 58))
-    assert evaluated == [4]                         # read back without evaluating again
-    assert h.logprob(4) == pytest.approx(want[4], abs=1e-4) and evaluated[1:] == [16]
+    assert h.logprob(4) == 0.0 and evaluated == [4]
     assert np.allclose(h.scores(59), want, atol=1e-4)
+
+
+def test_scores_on_the_device_follow_the_reference():
+    """What a step queues with its verdict (history.scores_of): every rank as the reference."""
+    from treegraft_mlx.history import scores_of
+
+    rng = np.random.default_rng(4)
+    rows = rng.normal(0, 3, (5, 512)).astype(np.float32)
+    following = np.array([int(np.argsort(-r)[k]) for r, k in zip(rows, [0, 5, 9, 10, 300])])
+    x = mx.array(rows)
+    got = np.array(scores_of(x, mx.array(following), mx.logsumexp(x, axis=-1)))
+    assert np.allclose(got, [reference(r, t) for r, t in zip(rows, following)], atol=1e-4)

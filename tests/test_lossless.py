@@ -36,10 +36,9 @@ from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.pricing import CallPolicy
-from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
+from treegraft_mlx.sampling import SamplerSettings, host_probs
 from treegraft_mlx.session import Session
 from treegraft_mlx.timing import StepCosts
-from treegraft_mlx.verify import Acceptance, residual
 
 RUNS = 120
 BINS = 10
@@ -86,29 +85,40 @@ class Outcome:
 
 
 class DraftedNodes:
-    """Wraps the engine's sampled acceptance rule: at every node the walk visits that has
-    drafted children, records P(the target's token is one of them) under the processed
-    distribution (from the verified logits) and whether the committed token was. Exact
-    acceptance commits a drafted token with exactly that probability."""
+    """Wraps the engine's sampled acceptance, both halves (verify.queue_verdict, verify.walk):
+    at every node the walk visits that has drafted children, records P(the target's token is
+    one of them) under the processed distribution (from the verified logits) and whether the
+    committed token was. Exact acceptance commits a drafted token with exactly that
+    probability."""
 
-    def __init__(self, rule):
-        self.rule, self.q, self.hit = rule, [], []
+    def __init__(self, verdict_rule, walk_rule):
+        self.verdict_rule, self.walk_rule = verdict_rule, walk_rule
+        self.q, self.hit = [], []
         self.a, self.took = [], []    # at sampled drafts: min(1, p/q), committed == the draft
+        self.seen = None              # the last verification's logits and sampled drafts
 
-    def __call__(self, tree, logits, settings, rng) -> Acceptance:
-        acc = self.rule(tree, logits, settings, rng)
+    def queue_verdict(self, logits, settings, key, drafts=None, scores=True):
+        self.seen = (logits, drafts)
+        return self.verdict_rule(logits, settings, key, drafts, scores)
+
+    def walk(self, tree, verdict, settings):
+        walked = self.walk_rule(tree, verdict, settings)
+        if settings.greedy:
+            return walked
+        acc, (logits, drafts) = walked.acceptance, self.seen
         committed = [tree.token[n] for n in acc.path[1:]] + [acc.bonus]
         for node, token in zip(acc.path, committed):
             kids = [tree.token[c] for c in tree.children_of(node)]
             if kids:
                 p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
-                self.q.append(hit_probability(tree, node, kids, p))
+                q = drawn_from(drafts, node)
+                self.q.append(hit_probability(tree, node, kids, p, q))
                 self.hit.append(token in kids)
-                for c in (c for c in tree.children_of(node) if c in tree.proposal):
-                    x = tree.token[c]
-                    self.a.append(min(1.0, p[x] / tree.proposal[c][x]))
+                if q is not None:
+                    x = tree.token[drawn_child(tree, node)]
+                    self.a.append(min(1.0, p[x] / q[x]))
                     self.took.append(token == x)
-        return acc
+        return walked
 
     def z(self) -> float:
         return z_score(self.hit, self.q)
@@ -118,22 +128,33 @@ class DraftedNodes:
         return z_score(self.took, self.a)
 
 
+def drawn_from(drafts, node: int):
+    """q of the sampled draft below `node` (float64, on the host), or None."""
+    if drafts is None or node not in drafts.rows:
+        return None
+    return np.array(drafts.q[drafts.rows.index(node)].astype(mx.float32), dtype=np.float64)
+
+
+def drawn_child(tree, node: int) -> int:
+    return next(c for c in tree.children_of(node) if c in tree.drawn)
+
+
 def z_score(hits: list[bool], q: list[float]) -> float:
     """Bernoulli hits against their probabilities q."""
     q = np.array(q)
     return float((np.sum(hits) - q.sum()) / np.sqrt(max((q * (1 - q)).sum(), 1e-12)))
 
 
-def hit_probability(tree, node: int, kids: list[int], p: np.ndarray) -> float:
+def hit_probability(tree, node: int, kids: list[int], p: np.ndarray, q) -> float:
     """P(the committed token at `node` is a drafted child's) under exact acceptance, given
     the drafts: p(kids) for fixed proposals; with a sampled draft x ~ q among them, x is
     accepted with a = min(1, p(x)/q(x)), else the draw comes from the residual."""
-    sampled = [c for c in tree.children_of(node) if c in tree.proposal]
-    if not sampled:
+    if q is None:
         return float(p[kids].sum())
-    q, x = tree.proposal[sampled[0]], tree.token[sampled[0]]
+    x = tree.token[drawn_child(tree, node)]
     a = min(1.0, p[x] / q[x])
-    return a if a >= 1.0 else float(a + (1 - a) * residual(p, q)[kids].sum())
+    owed = np.maximum(p - q, 0.0)
+    return a if a >= 1.0 else float(a + (1 - a) * (owed / owed.sum())[kids].sum())
 
 
 def pit(p: np.ndarray, token: int, rng: np.random.Generator) -> float:
@@ -143,8 +164,9 @@ def pit(p: np.ndarray, token: int, rng: np.random.Generator) -> float:
 
 
 def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUNS) -> Outcome:
-    drafted = DraftedNodes(verify_module.accept_sample)
-    monkeypatch.setattr(verify_module, "accept_sample", drafted)
+    drafted = DraftedNodes(verify_module.queue_verdict, verify_module.walk)
+    monkeypatch.setattr(verify_module, "queue_verdict", drafted.queue_verdict)
+    monkeypatch.setattr(verify_module, "walk", drafted.walk)
     tree = dataclasses.replace(family.tree, adaptive=adaptive)
     session = Session(family, tree)          # the prompt's prefill is reused run after run
     prompt = family.tokenizer.encode(PROMPT)
@@ -171,7 +193,8 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
                 rejected += st.nodes_verified - 1 - st.accepted
     counts = np.bincount(np.minimum((np.array(us) * BINS).astype(int), BINS - 1), minlength=BINS)
     expected = len(us) / BINS
-    monkeypatch.setattr(verify_module, "accept_sample", drafted.rule)
+    monkeypatch.setattr(verify_module, "queue_verdict", drafted.verdict_rule)
+    monkeypatch.setattr(verify_module, "walk", drafted.walk_rule)
     return Outcome(float(((counts - expected) ** 2 / expected).sum()), drafted.z(), trees,
                    accepted, rejected, len(drafted.a), drafted.z_sampled())
 
@@ -201,19 +224,26 @@ def test_sampled_chains_on_every_step_and_a_rule_without_the_residual(family, mo
             or abs(got.z_sampled) > Z_CRIT_001), got
 
 
-def follows_the_argmax(tree, logits, settings, rng) -> Acceptance:
-    """The mutant: a drafted child that is the target's most likely token is accepted outright
-    (greedy acceptance mixed into sampling); otherwise the exact draw."""
-    node, path = 0, [0]
-    while True:
-        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
-        best = tree.child(node, int(np.argmax(p)))
-        y = draw(p, rng)
-        nxt = best if best >= 0 else tree.child(node, y)
-        if nxt < 0:
-            return Acceptance(path, y)
-        node = nxt
-        path.append(node)
+def follows_the_argmax(monkeypatch) -> None:
+    """Installs the mutant: a drafted child that is the target's most likely token is
+    accepted outright (greedy acceptance mixed into sampling); otherwise the exact draw."""
+    seen, verdict_rule, walk_rule = {}, verify_module.queue_verdict, verify_module.walk
+
+    def remember(logits, settings, key, drafts=None, scores=True):
+        seen["logits"] = logits
+        return verdict_rule(logits, settings, key, drafts, scores)
+
+    def walk(tree, verdict, settings):
+        best, verdict = np.array(mx.argmax(seen["logits"], axis=-1)), verdict.copy()
+        for node in range(len(tree)):
+            if tree.child(node, int(best[node])) >= 0:
+                verdict[node, 0] = best[node]
+                drawn = [c for c in tree.children_of(node) if c in tree.drawn]
+                verdict[node, 1] = float(bool(drawn) and tree.token[drawn[0]] == best[node])
+        return walk_rule(tree, verdict, settings)
+
+    monkeypatch.setattr(verify_module, "queue_verdict", remember)
+    monkeypatch.setattr(verify_module, "walk", walk)
 
 
 def test_a_broken_acceptance_rule_fails_every_case(family, monkeypatch):
@@ -221,7 +251,7 @@ def test_a_broken_acceptance_rule_fails_every_case(family, monkeypatch):
     a case drafts sampled chains, z_sampled among them: the mutant accepts a sampled draft
     that is the argmax outright, not with min(1, p/q), and a chain queued beside the tree
     has no deterministic runners-up of the drafter's for it to bias otherwise)."""
-    monkeypatch.setattr(verify_module, "accept_sample", follows_the_argmax)
+    follows_the_argmax(monkeypatch)
     for strategy, adaptive in CASES:
         got = run_case(family, strategy, adaptive, monkeypatch)
         assert (got.chi2 > CHI2_CRIT_DF9_001 or abs(got.z) > Z_CRIT_001

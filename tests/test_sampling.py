@@ -11,8 +11,8 @@ import pytest
 
 from treegraft_mlx.sampling import SamplerSettings, draw, target_probs
 from treegraft_mlx.tree import DraftTree
-from treegraft_mlx.verify import (Acceptance, accept_greedy, accept_sample, expected_path_length,
-                                  residual)
+from treegraft_mlx.verify import (Acceptance, SampledDrafts, accept_greedy, accept_sample,
+                                  expected_path_length, residual)
 
 # Chi-square critical values at alpha = 0.001, by degrees of freedom.
 CHI2_CRIT_001 = {3: 16.27, 5: 20.52, 7: 24.32, 8: 26.12, 11: 31.26, 15: 37.70}
@@ -95,25 +95,24 @@ def test_wrong_rule_fails_the_same_test():
 DRAFTER_Q = np.array([0.05, 0.05, 0.10, 0.40, 0.10, 0.30])
 
 
-def sampled_case(rng: np.random.Generator) -> DraftTree:
+def sampled_case(rng: np.random.Generator) -> tuple[DraftTree, SampledDrafts]:
     """A fresh draft per trial: x ~ q at the root (a sampled draft, its q kept), the
     deterministic sibling 5 and, below x, the deterministic grandchild 1."""
-    t, _ = constructed_case()
     tree = DraftTree.rooted_at(0)
     x = draw(DRAFTER_Q, rng)
     node = tree.add(0, x, -0.1)
-    tree.proposal[node] = DRAFTER_Q
+    tree.drawn.add(node)
     tree.add(0, 5, -1.0)
     tree.add(node, 1, -0.2)
-    return tree
+    return tree, SampledDrafts([0], mx.array([x]), mx.array(DRAFTER_Q[None].astype(np.float32)))
 
 
-def no_residual(tree, logits, settings, rng):
+def no_residual(tree, logits, settings, rng, drafts):
     """The mutant: after a rejected sampled draft the bonus comes from p, not max(p - q, 0)."""
     p = np.exp(np.array(logits[0], dtype=np.float64))
     p /= p.sum()
-    s = next(c for c in tree.children_of(0) if c in tree.proposal)
-    q, x = tree.proposal[s], tree.token[s]
+    s = next(c for c in tree.children_of(0) if c in tree.drawn)
+    q, x = DRAFTER_Q, tree.token[s]
     if rng.random() * q[x] < p[x]:
         return Acceptance([0, s], 0)
     y = draw(p, rng)
@@ -128,11 +127,11 @@ def sampled_first_tokens(rule, n: int = 6000, seed: int = 4) -> tuple[np.ndarray
     rng = np.random.default_rng(seed)
     counts, hits = np.zeros(6), 0
     for _ in range(n):
-        tree = sampled_case(rng)
-        acc = rule(tree, logits, SamplerSettings(temp=1.0), rng)
+        tree, drafts = sampled_case(rng)
+        acc = rule(tree, logits, SamplerSettings(temp=1.0), rng, drafts)
         first = tree.token[acc.path[1]] if len(acc.path) > 1 else acc.bonus
         counts[first] += 1
-        hits += len(acc.path) > 1 and acc.path[1] in tree.proposal
+        hits += len(acc.path) > 1 and acc.path[1] in tree.drawn
     return counts, hits
 
 
@@ -155,9 +154,10 @@ def test_a_sampled_draft_is_accepted_by_min_p_over_q_and_stays_lossless():
 
 def test_residual_is_what_the_target_still_owes():
     p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.6, 0.2])
-    assert residual(p, q) == pytest.approx([1.0, 0.0, 0.0])
+    r = np.array(residual(mx.array(p[None]), mx.array(q[None])))[0]
+    assert r == pytest.approx([1.0, 0.0, 0.0])
     # min(p, q) from the draft plus TV(p, q) times the residual gives p back.
-    assert np.minimum(p, q) + 0.3 * residual(p, q) == pytest.approx(p)
+    assert np.minimum(p, q) + 0.3 * r == pytest.approx(p)
 
 
 @pytest.mark.parametrize("settings", [SamplerSettings(temp=0.7, top_p=0.9),

@@ -21,6 +21,7 @@ import mlx.core as mx
 from .device import blas_library
 from .engine import generate
 from .family import Family, TreeConfig
+from .waits import Waits
 from .sampling import SamplerSettings
 from .timing import pad_map, verification_latency
 
@@ -51,6 +52,8 @@ class Run:
     loop_steps: int = 0            # steps whose first token continues a loop (loop_split)
     loop_tokens: int = 0           # the tokens those steps committed
     ttft_s: float = 0.0            # time to first token (prefill included)
+    waits: int = 0                 # host waits on the device (waits.Waits), prefill included
+    read_bytes: int = 0            # bytes those waits read back
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -161,16 +164,19 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
             per_k = {}
             for k in (MLX_LM_SPEC_KS if s == "mlx_lm_spec" else [None]):
                 mx.random.seed(seed)
-                toks, tps, ttft = mlx_run(p["prompt"], max_tokens, k)
-                per_k[k] = [len(toks), tps]
+                with Waits() as waits:
+                    toks, tps, ttft = mlx_run(p["prompt"], max_tokens, k)
+                per_k[k] = [len(toks), tps, waits.count, waits.nbytes]
             return Run(p["id"], p["category"], s, r, len(toks), 0, 0.0, tps, toks,
-                       per_k=per_k if s == "mlx_lm_spec" else None, ttft_s=ttft)
+                       per_k=per_k if s == "mlx_lm_spec" else None, ttft_s=ttft,
+                       waits=waits.count, read_bytes=waits.nbytes)
         name, shape = s.split("@", 1) if "@" in s else (s, None)
         if shape not in SHAPES:
             raise ValueError(f"unknown tree shape {shape!r} in {s!r} (choose from "
                              f"{', '.join(x for x in SHAPES if x)})")
-        res = generate(family, p["prompt"], name, max_tokens=max_tokens, settings=settings,
-                       seed=seed, tree=SHAPES[shape](tree or family.tree))
+        with Waits() as waits:
+            res = generate(family, p["prompt"], name, max_tokens=max_tokens,
+                           settings=settings, seed=seed, tree=SHAPES[shape](tree or family.tree))
         st = res.step_stats
         loops = loop_split(res.token_ids, [1] + [x.accepted + 1 for x in st])  # prefill's first
         return Run(p["id"], p["category"], s, r, res.generation_tokens, res.steps,
@@ -178,7 +184,8 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
                    sum(x.t_draft for x in st), sum(x.t_verify for x in st),
                    sum(x.t_accept for x in st), sum(x.t_schedule for x in st),
                    sum(x.rows for x in st), loop_steps=loops[0], loop_tokens=loops[1],
-                   ttft_s=res.time_to_first_token)
+                   ttft_s=res.time_to_first_token, waits=waits.count,
+                   read_bytes=waits.nbytes)
 
     for p in prompts[:warmup]:
         for s in strategies:
@@ -210,7 +217,7 @@ def spec_runs(runs: list[Run]) -> list[Run]:
         return []
 
     def seconds(r: Run, k) -> float:
-        tokens, tps = r.per_k[k]
+        tokens, tps = r.per_k[k][:2]
         return tokens / tps if tps else 0.0
 
     ks = list(spec[0].per_k)
@@ -220,8 +227,10 @@ def spec_runs(runs: list[Run]) -> list[Run]:
     for r in spec:
         oracle = max(ks, key=lambda k: r.per_k[k][1])
         for name, k in (("mlx_lm_spec", best_k), ("mlx_lm_spec_oracle", oracle)):
-            out.append(dataclasses.replace(r, strategy=name, tokens=r.per_k[k][0],
-                                           tokens_per_sec=r.per_k[k][1], per_k={k: r.per_k[k]}))
+            tokens, tps, waits, nbytes = r.per_k[k]
+            out.append(dataclasses.replace(r, strategy=name, tokens=tokens, tokens_per_sec=tps,
+                                           per_k={k: r.per_k[k]}, waits=waits,
+                                           read_bytes=nbytes))
     return out
 
 
@@ -231,7 +240,8 @@ def summarize(runs: list[Run]) -> dict:
     runs = [r for r in runs if r.strategy != "mlx_lm_spec"] + spec_runs(runs)
     agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "rows": 0, "draft": 0.0,
                                "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0,
-                               "loop_steps": 0, "loop_tokens": 0, "ttft": 0.0})
+                               "loop_steps": 0, "loop_tokens": 0, "ttft": 0.0, "waits": 0,
+                               "read_bytes": 0})
     for r in runs:
         for cat in (r.category, "all"):
             a = agg[(r.strategy, cat)]
@@ -246,6 +256,8 @@ def summarize(runs: list[Run]) -> dict:
             a["loop_steps"] += r.loop_steps
             a["loop_tokens"] += r.loop_tokens
             a["ttft"] += r.ttft_s
+            a["waits"] += r.waits
+            a["read_bytes"] += r.read_bytes
             a["n"] += 1
     out: dict = defaultdict(dict)
     for (s, cat), a in agg.items():
@@ -257,7 +269,14 @@ def summarize(runs: list[Run]) -> dict:
                        "draft_s": a["draft"], "verify_s": a["verify"], "accept_s": a["accept"],
                        "schedule_s": a["schedule"],
                        "schedule_share": a["schedule"] / a["time"] if a["time"] else 0.0,
-                       "ttft_s": a["ttft"] / a["n"], "runs": a["n"]}
+                       "ttft_s": a["ttft"] / a["n"], "runs": a["n"],
+                       # per generated token, prefill included: comparable with mlx_lm's,
+                       # whose forwards are not counted (its speculative steps are unseen)
+                       "waits_per_token": a["waits"] / a["tokens"] if a["tokens"] else None,
+                       "read_bytes_per_token": (a["read_bytes"] / a["tokens"]
+                                                if a["tokens"] else None),
+                       "waits_per_forward": (a["waits"] / (a["steps"] + a["n"])
+                                             if a["steps"] else None)}   # prefill's included
         other_steps = a["steps"] - a["loop_steps"]
         if a["steps"]:          # tokens per forward, steps inside a loop and outside one
             out[s][cat]["mean_accepted_loop"] = (a["loop_tokens"] / a["loop_steps"]

@@ -41,14 +41,16 @@ import numpy as np
 from .build import TreeBuild
 from .drafters import Drafters, QueuedChain
 from .family import TreeConfig
-from .history import History
+from .history import History, scores_of
 from .pricing import CallPolicy, Fallback, Sizer
 from .sampling import DeviceDraws, SamplerSettings, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
 from .session import Session
 from .timing import StepCosts, Timing
 from .tree import SOURCES, STRONG, DraftTree, Plan, Reach, prune, reach
-from .verify import Acceptance, accept, verify_hidden
+from . import verify
+from .readback import ints, read_back
+from .verify import Acceptance, verify_hidden
 
 DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
@@ -265,7 +267,12 @@ class Decoder:
 
     def _forward(self) -> "ArForward":
         return ArForward(self.target, self.session.cache, self.settings, self._key(),
-                         self.session.saw)
+                         self.session.saw, scores=self._scored is not None)
+
+    @property
+    def _scored(self) -> Optional[History]:
+        """The history, where this strategy scores it (Strategy.scores_history)."""
+        return self.session.history if self.strategy.scores_history else None
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
         """One committed token per target forward, pipelined like mlx_lm: the next forward is
@@ -375,9 +382,8 @@ class Decoder:
                 queued = forward(mx.array(root))
             after = (forward(queued.token)
                      if len(plan.keep) == 1 and not self._calls_next() else None)
-            nxt = queued.read()
+            nxt = queued.read(self._scored)
             t2 = self.clock()
-            self._remember(queued, nxt)
             history.extend([nxt])
             self.drafters.observe(history, 1)
             self._record(StepStats(
@@ -429,9 +435,8 @@ class Decoder:
             for i in range(steps):
                 after = forward(queued.token)
                 guess = index.guess(history.tokens)     # made while the forward runs
-                nxt = queued.read()
+                nxt = queued.read(self._scored)
                 self.fallback.observe_shadow(guess == nxt)
-                self._remember(queued, nxt)
                 history.extend([nxt])
                 self.drafters.observe(history, 1)
                 self._record(AR_STEP)
@@ -444,16 +449,6 @@ class Decoder:
             if done:
                 self.fallback.observe_ar(done, 1000 * busy)
         return history.root, queued
-
-    def _remember(self, queued: "Queued", token: int) -> None:
-        """What the drafters will read of an AR step whose forward drew `token`: its row,
-        deferred as a hidden state where the target exposes one (nothing read back now), else
-        scored from its logits."""
-        history = self.session.history
-        if queued.hidden is not None:
-            history.defer(history.committed, queued.hidden, self.target.head)
-        else:
-            history.record(history.committed, queued.logits[None], [token])
 
     def _calls_next(self) -> bool:
         """Whether the next step will likely call the strong drafter: then its forward is not
@@ -513,29 +508,39 @@ class Decoder:
 
 @dataclass
 class Queued:
-    """A target forward of one token, queued: its next token (lazy) and its logits row."""
+    """A target forward of one token, queued: its next token (lazy) and, where the history
+    is scored, that token's score after this row (lazy)."""
 
     token: mx.array
-    logits: mx.array
-    hidden: Optional[mx.array] = None    # the last layer's output (1, H), where exposed
+    score: Optional[mx.array] = None
 
-    def read(self) -> int:
-        return int(self.token.item())
+    def read(self, history: Optional[History] = None) -> int:
+        """The next token, in one wait. With `history` (a scored one), the same readback
+        carries the row's score, kept at the root's position, and the history's queued
+        prefetches."""
+        if history is None or self.score is None:
+            return int(self.token.item())
+        pending = history.pending()
+        got = read_back(self.token, self.score, *pending)
+        history.collect(got[2:])
+        history.keep(history.committed, got[1])
+        return ints(got[0])[0]
 
 
 class ArForward:
     """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
-    or the processed distribution with the next key), all evaluated asynchronously, so the
-    host can queue the following forward or draft while it runs. The token's hidden state
-    goes to `saw` (Session.saw: an MTP head drafts from it)."""
+    or the processed distribution with the next key) and, where `scores`, the history's score
+    of it from the same logits row, all evaluated asynchronously, so the host can queue the
+    following forward or draft while it runs. The token's hidden state goes to `saw`
+    (Session.saw: an MTP head drafts from it)."""
 
     def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
-                 saw: Callable[[int, mx.array], None]):
+                 saw: Callable[[int, mx.array], None], scores: bool = False):
         self.target, self.cache, self.settings, self.key = target, cache, settings, key
-        self.saw = saw
+        self.saw, self.scores = saw, scores
 
     def __call__(self, token: mx.array) -> Queued:
-        target, tokens, hidden = self.target, token.reshape(1, 1), None
+        target, tokens = self.target, token.reshape(1, 1)
         if hasattr(target, "run_layers"):
             hidden = target.run_layers(target.embed(tokens), self.cache)[0]
             logits = target.head(hidden[None])[0, -1]
@@ -545,24 +550,28 @@ class ArForward:
         self.cache.commit()
         self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)
-        mx.async_eval(nxt)
-        return Queued(nxt, logits, hidden)
+        score = None
+        if self.scores:
+            x = logits.astype(mx.float32)[None]
+            score = scores_of(x, nxt.reshape(1), mx.logsumexp(x, axis=-1))
+        mx.async_eval(nxt, *([] if score is None else [score]))
+        return Queued(nxt, score)
 
 
-def commit(session: Session, drafters: Drafters, tree: DraftTree, logits: mx.array,
-           acc: Acceptance, hidden: Optional[mx.array] = None, scores: bool = True) -> list[int]:
+def commit(session: Session, drafters: Drafters, tree: DraftTree, walked: verify.Walked,
+           hidden: Optional[mx.array] = None, scores: bool = True) -> list[int]:
     """Commit the accepted path: compact the target cache, hand the path's `hidden` states
-    (if the target exposed them) to the session, score the path's positions (where
-    `scores`: a readback of their rows and a pass over each), extend the history and tell
-    the drafters. Returns what the history gained: the accepted drafts, then the bonus."""
-    history = session.history
+    (if the target exposed them) to the session, keep the path's scores (where `scores`:
+    they came back with the step's verdict), extend the history and tell the drafters.
+    Returns what the history gained: the accepted drafts, then the bonus."""
+    history, acc = session.history, walked.acceptance
     session.cache.keep(acc.path)
     if hidden is not None:
         session.saw(history.committed, hidden, acc.path)
     block = [tree.token[i] for i in acc.path]
     following = block[1:] + [acc.bonus]
     if scores:
-        history.record(history.committed, logits[mx.array(acc.path)], following)
+        history.keep(history.committed, np.array(walked.scores, dtype=np.float32))
     history.extend(following)
     drafters.observe(history, len(block))
     return following
@@ -584,23 +593,28 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
               clock: Callable[[], float] = time.perf_counter,
               chain: Optional[QueuedChain] = None, scores: bool = True) -> VerifiedStep:
     """The step every loop shares (decoding and both calibrations): verify `tree` in one
-    forward of `rows` rows, accept by the regime's rule, commit (scoring the path where
-    `scores`). A `chain` queued on the device is verified in the same forward, as a branch
-    from the root, and joins `tree` once evaluated (DraftTree.append_chain): no readback
-    between drafting and verifying."""
+    forward of `rows` rows, accept by the regime's rule, commit (keeping the path's scores
+    where `scores`). The host waits once: the verdict of every row (verify.queue_verdict),
+    a `chain` queued on the device beside the tree (verified in the same forward, as a
+    branch from the root) and the history's queued prefetches come back in one readback;
+    then the chain joins `tree` (DraftTree.append_chain) and the host walks it."""
     t0 = clock()
+    history, n_tree = session.history, len(tree)
     logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)
-    if chain is None:
-        mx.eval(logits)
-    else:
-        drawn_from = chain.drawn_from
-        mx.eval(logits, chain.tokens, *([] if drawn_from is None else [drawn_from]))
-        tree.append_chain(np.array(chain.tokens).tolist(), STRONG,
-                          None if drawn_from is None else np.array(drawn_from, dtype=np.float64))
+    key = None if settings.greedy else mx.random.key(int(rng.integers(2**31)))
+    drafts = verify.SampledDrafts.of_chain(chain, n_tree)
+    parts = [verify.queue_verdict(logits, settings, key, drafts, scores)]
+    if chain is not None:
+        parts.append(chain.tokens)
+    pending = history.pending()
+    got = read_back(*parts, *pending)
+    history.collect(got[len(parts):])
+    if chain is not None:
+        tree.append_chain(ints(got[1]), STRONG, drawn=chain.drawn_from is not None)
     t1 = clock()
-    acc = accept(tree, logits, settings, rng)
-    block = commit(session, drafters, tree, logits, acc, hidden, scores)
-    return VerifiedStep(block, acc, logits, t1 - t0, clock() - t1)
+    walked = verify.walk(tree, got[0].reshape(len(tree), -1), settings)
+    block = commit(session, drafters, tree, walked, hidden, scores)
+    return VerifiedStep(block, walked.acceptance, logits, t1 - t0, clock() - t1)
 
 
 def strong_model(session: Session):

@@ -6,6 +6,7 @@ Mean accepted length := generated tokens after the first / target forwards (toke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -25,6 +26,7 @@ from .pairing import choose_models
 from .sampling import SamplerSettings
 from .scheduler import Schedule
 from .session import Session
+from .waits import Waits
 
 @dataclass
 class GenerationResult:
@@ -78,10 +80,11 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     context = family.target.args.max_position_embeddings
     # Drafts are verified past the last token: leave room for one full tree path.
     max_tokens = check_context(len(ids), max_tokens, context - session.tree.depth - 1)
+    tracer = tracing(trace)
     decoder = make_decoder(session, strat, settings, np.random.default_rng(seed), schedule,
-                           tracing(trace))
+                           tracer)
     t0 = time.perf_counter()
-    with device.wired_limit():
+    with device.wired_limit(), (tracer.waits if tracer else contextlib.nullcontext()):
         origin = (lambda i: decoder.sources[i]) if provenance else None
         for r in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0,
                         origin=origin):
@@ -100,10 +103,26 @@ def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings
     return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
 
 
-def tracing(trace: Optional[bool]) -> Optional[Callable[[str], None]]:
+class StepTrace:
+    """Trace lines on stderr, each with the host's waits on the device and the bytes they
+    read back since the line before (one step's, for a step's line): counted while `waits`
+    is active, which stream_generate keeps on while tracing."""
+
+    def __init__(self):
+        self.waits = Waits()
+        self._last = (0, 0)
+
+    def __call__(self, line: str) -> None:
+        count, nbytes = self.waits.snapshot()
+        print(f"{line} | waits {count - self._last[0]}, read {nbytes - self._last[1]} B",
+              file=sys.stderr)
+        self._last = (count, nbytes)
+
+
+def tracing(trace: Optional[bool]) -> Optional[StepTrace]:
     """Where trace lines go: stderr when asked (or TREEGRAFT_TRACE=1), else nowhere."""
     on = os.environ.get("TREEGRAFT_TRACE", "") not in ("", "0") if trace is None else trace
-    return (lambda line: print(line, file=sys.stderr)) if on else None
+    return StepTrace() if on else None
 
 
 def generate(family: Family, prompt: Prompt, strategy: str = "treegraft", **kwargs) -> GenerationResult:

@@ -6,10 +6,12 @@ that followed an earlier occurrence, so that is the only score it reads). A posi
 token fell outside the target's top-10 scores the 10th value minus OUTSIDE_TOP_PENALTY: what
 the acceptance estimates were calibrated with, when the history kept whole top-10 rows.
 
-Rows that only AR steps and the prompt produced are kept as the target's final hidden states
-and scored when a drafter first reads them (the rows one build reads, together: `prefetch`;
-else their 16-row block): a row's logits cost a pass over the whole vocabulary, and neither
-the first token nor a plain AR step should wait for them.
+The prompt's rows are kept as the target's final hidden states and scored only where a drafter
+reads them (`prefetch`): a row's logits cost a pass over the whole vocabulary, and the first
+token should not wait for them. A prefetch is queued on the device, never read at once: its
+scores leave with the step's one readback (`pending`, `collect`), and until then those
+positions read as unscored. Rows the decoding itself produced arrive scored: the step that
+verified them queued their scores with its verdict (`keep`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class History:
         self.lp = np.full(capacity, np.nan, dtype=np.float32)   # NaN: not scored
         # Deferred rows by block (position // LAZY_BLOCK): (start, hidden, head) parts.
         self._deferred: dict[int, list[tuple[int, mx.array, Head]]] = {}
+        self._pending: list[tuple[list[int], mx.array]] = []   # queued prefetches
+        self._queued: set[int] = set()                         # their positions
 
     @property
     def committed(self) -> int:
@@ -111,12 +115,13 @@ class History:
                 at += n
 
     def prefetch(self, positions: Sequence[int]) -> None:
-        """Score the deferred rows among `positions`, and only those, in one evaluation per
-        head: a drafter that reads rows scattered over a long prompt would otherwise compute
-        one 16-row block per position read, each a pass over the head's weights (measured
-        here: 38 blocks of a 600-token prompt, 150-190 ms for one n-gram build)."""
+        """Queue the scores of the deferred rows among `positions`, and only those, in one
+        evaluation per head: a drafter that reads rows scattered over a long prompt would
+        otherwise compute one 16-row block per position read, each a pass over the head's
+        weights. Nothing is read back here (`pending`)."""
         wanted = {p for p in positions if 0 <= p < len(self.lp) and self.lp[p] != self.lp[p]
-                  and p // LAZY_BLOCK in self._deferred and p + 1 < len(self.tokens)}
+                  and p not in self._queued and p // LAZY_BLOCK in self._deferred
+                  and p + 1 < len(self.tokens)}
         rows: dict[int, tuple[Head, list[int], list[mx.array]]] = {}
         for block in {p // LAZY_BLOCK for p in wanted}:
             for start, hidden, head in self._deferred[block]:
@@ -126,16 +131,24 @@ class History:
                     entry[1].extend(mine)
                     entry[2].append(hidden[mx.array(mine) - start])
         for head, where, parts in rows.values():
-            following = np.array([self.tokens[p + 1] for p in where], dtype=np.int64)
-            lps = followed_logprobs(head(mx.concatenate(parts)), following)
+            following = mx.array([self.tokens[p + 1] for p in where])
+            x = head(mx.concatenate(parts)).astype(mx.float32)
+            self._pending.append((where, scores_of(x, following, mx.logsumexp(x, axis=-1))))
+            self._queued.update(where)
+
+    def pending(self) -> list[mx.array]:
+        """The queued prefetches' scores, for the step's readback to carry."""
+        return [scores for _, scores in self._pending]
+
+    def collect(self, values: Sequence[np.ndarray]) -> None:
+        """The values of `pending()`, read back: those positions are scored now."""
+        for (where, _), lps in zip(self._pending, values):
             self.lp[where] = lps
+        self._pending, self._queued = [], set()
 
     def logprob(self, position: int) -> float:
-        """The target's log-prob of the token that followed `position` (0.0 where never
-        scored)."""
-        lp = self.lp[position]
-        if lp != lp and self._deferred and position // LAZY_BLOCK in self._deferred:
-            self._compute(position // LAZY_BLOCK)
+        """The target's log-prob of the token that followed `position` (0.0 where not scored
+        yet: a prefetch still queued, or a row never read)."""
         lp = self.lp[position]
         return 0.0 if lp != lp else float(lp)
 
@@ -149,12 +162,19 @@ def followed_logprobs(logits: mx.array, following: np.ndarray) -> np.ndarray:
     whose `exp` is vectorised (measured 2.5 against 8.8 ms for 64 rows of 8192)."""
     if on_gpu():
         x = logits.astype(mx.float32)
-        lse = mx.logsumexp(x, axis=-1)
-        own = mx.take_along_axis(x, mx.array(following)[:, None], -1)[:, 0]
-        tenth = mx.topk(x, TOP_RANKS, axis=-1).min(-1)
-        inside = (x > own[:, None]).sum(-1) < TOP_RANKS
-        return np.array(mx.where(inside, own, tenth - OUTSIDE_TOP_PENALTY) - lse)
+        return np.array(scores_of(x, mx.array(following), mx.logsumexp(x, axis=-1)))
     return host_followed_logprobs(np.array(logits.astype(mx.float32)), following)
+
+
+def scores_of(x: mx.array, tokens: mx.array, lse: mx.array) -> mx.array:
+    """History's score of `tokens[i]` after row i of float32 logits `x` whose logsumexp is
+    `lse`, lazily on the device (the top-10 rule included): what a step queues with its
+    verification, so that the score leaves the device with the step's one readback."""
+    own = mx.take_along_axis(x, tokens.astype(mx.int32)[:, None], -1)[:, 0]
+    inside = (x > own[:, None]).sum(-1) < TOP_RANKS
+    top = min(TOP_RANKS, x.shape[-1])
+    tenth = mx.topk(x, top, axis=-1).min(-1)
+    return mx.where(inside, own, tenth - OUTSIDE_TOP_PENALTY) - lse
 
 
 def host_logsumexp(x: np.ndarray) -> np.ndarray:

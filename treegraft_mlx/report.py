@@ -78,6 +78,10 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
         rows.append("| time to first token, ms (vs mlx_lm) | "
                     + " | ".join(ttft_cell(summary["strategies"][s].get("all", {}))
                                  for s in strats) + " |")
+    if any(summary["strategies"][s].get("all", {}).get("waits_per_token") for s in strats):
+        rows.append("| host waits per token (per target forward) / bytes read per token | "
+                    + " | ".join(waits_cell(summary["strategies"][s].get("all", {}))
+                                 for s in strats) + " |")
     rows.append("| rows verified per step | "
                 + " | ".join(cell(s, "all", "rows_per_step", ".2f") for s in strats) + " |")
     if any(summary["strategies"][s].get("all", {}).get("schedule_s") for s in strats):
@@ -88,6 +92,16 @@ def strategy_table(report: dict, regime: str, loops: Optional[dict] = None) -> s
         rows.append(f"| {cat} (greedy loop share {loops[cat]:.0%}), tok/s | "
                     + " | ".join(cell(s, cat, "tokens_per_sec", ".1f") for s in strats) + " |")
     return "\n".join(rows)
+
+
+def waits_cell(v: dict) -> str:
+    """'1.00 (1.00) / 8': host waits a token (a forward, where the forwards are known: not
+    for mlx_lm's speculative steps), bytes read back a token; the prefill's included."""
+    if v.get("waits_per_token") is None:
+        return "-"
+    forward = v.get("waits_per_forward")
+    return (f"{v['waits_per_token']:.2f}" + (f" ({forward:.2f})" if forward else "")
+            + f" / {v['read_bytes_per_token']:.0f}")
 
 
 def ttft_cell(v: dict) -> str:

@@ -134,7 +134,7 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def pick(logits: mx.array, s: SamplerSettings, rng: np.random.Generator) -> int:
-    """One token from one row of logits, drawn on the host with `rng`."""
-    if s.greedy:
-        return int(mx.argmax(logits).item())
-    return draw(host_probs(np.array(logits.astype(mx.float32)), s), rng)
+    """One token from one row of logits, drawn on the device with a key from `rng`: only
+    the token leaves the device."""
+    key = None if s.greedy else mx.random.key(int(rng.integers(2**31)))
+    return int(sample_token(logits, s, key).item())

@@ -86,9 +86,10 @@ class DraftTree:
     drafted_by: list[int] = field(default_factory=list)   # NGRAM | STRONG bits
     children: dict[tuple[int, int], int] = field(default_factory=dict)  # (parent, token) -> node
     kids: dict[int, list[int]] = field(default_factory=dict)  # parent -> children, in order
-    # A sampled draft: node -> the distribution q its token was drawn from at its parent (the
-    # strong drafter's, when sampling); the target accepts it with min(1, p/q) (verify.py).
-    proposal: dict[int, np.ndarray] = field(default_factory=dict)
+    # Sampled drafts: nodes whose token a drafter drew from its distribution q at the parent
+    # (a queued chain's, when sampling); the target accepts one with min(1, p/q), tested on
+    # the device against the chain's q (verify.queue_verdict).
+    drawn: set[int] = field(default_factory=set)
 
     NODE_FIELDS = ("token", "parent", "depth", "score", "match_len", "match_pos", "terminated",
                    "ngram_lp", "votes", "draft_lp", "draft_rank", "drafted_by")
@@ -123,7 +124,7 @@ class DraftTree:
         """An independent copy (to try another way of building the rest of it)."""
         return DraftTree(*(list(getattr(self, f)) for f in self.NODE_FIELDS),
                          dict(self.children), {p: list(c) for p, c in self.kids.items()},
-                         dict(self.proposal))
+                         set(self.drawn))
 
     def child(self, parent: int, token: int) -> int:
         """Index of parent's child carrying `token`, or -1."""
@@ -155,14 +156,13 @@ class DraftTree:
         self.children.setdefault((parent, self.token[child]), child)
         self.kids.setdefault(parent, []).append(child)
 
-    def append_chain(self, tokens: Sequence[int], by: int,
-                     proposals: Optional[Sequence[np.ndarray]] = None) -> list[int]:
+    def append_chain(self, tokens: Sequence[int], by: int, drawn: bool = False) -> list[int]:
         """Hang a chain from the root as new nodes, one below the other, even where a sibling
         already carries the same token: the chain was verified on the device before its
         tokens were read back (a queued chain, docs/design.md §9), so its rows are its own.
         A twin sibling and the chain node each gain the other's drafter bit (both proposed
-        that token there). `proposals[i]`: the distribution token i was drawn from (a sampled
-        draft). Returns the chain's nodes."""
+        that token there). `drawn`: the tokens were drawn from the drafter's distribution (sampled
+        drafts). Returns the chain's nodes."""
         nodes, parent = [], 0
         for i, tok in enumerate(tokens):
             twin = self.child(parent, tok)
@@ -171,8 +171,8 @@ class DraftTree:
             if twin >= 0:
                 self.drafted_by[twin] |= by
             self._link(parent, node)
-            if proposals is not None:
-                self.proposal[node] = proposals[i]
+            if drawn:
+                self.drawn.add(node)
             nodes.append(node)
             parent = node
         return nodes
@@ -197,7 +197,7 @@ class DraftTree:
                 getattr(t, f).append(v)
             if values[1] >= 0:
                 t._link(values[1], len(t) - 1)
-        t.proposal = {new_index[v]: q for v, q in self.proposal.items() if v in new_index}
+        t.drawn = {new_index[v] for v in self.drawn if v in new_index}
         return t
 
     def rerooted(self, node: int) -> "DraftTree":

@@ -5,16 +5,20 @@ node's distinct children as deterministic proposals. Recursive rejection over th
 child x with probability p(x) under the processed target distribution; on rejection zero p(x)
 and renormalise; when all are rejected draw the bonus from the residual) accepts each child
 with probability exactly p(x) and otherwise draws the bonus from p: the same as drawing one
-token y ~ p and following the child that carries y, if any. That is what runs, one draw per
-node on the accepted path, on the host: only the rows the walk visits leave the device. The
-output is therefore distributed exactly as the target's own samples.
+token y ~ p and following the child that carries y, if any. The output is therefore
+distributed exactly as the target's own samples.
 
-A sampled draft x (drawn from a drafter's distribution q, `DraftTree.proposal`) is tried
-first at its parent, as in speculative sampling: accepted with probability min(1, p(x)/q(x));
-on rejection the target's distribution becomes the residual max(p - q, 0), renormalised, and
+A sampled draft x (drawn from a drafter's distribution q, `DraftTree.drawn`) is tried first
+at its parent, as in speculative sampling: accepted with probability min(1, p(x)/q(x)); on
+rejection the target's distribution becomes the residual max(p - q, 0), renormalised, and
 the deterministic siblings follow on it as above. The token committed at that position is
 then distributed exactly as p (the standard argument: min(p, q) from the draft, the rest from
 the residual), and x is accepted with probability 1 - TV(p, q) instead of p(x).
+
+Both rules run in two halves so that a step waits on the device once: every verified row's
+draw, test and scores are queued on the device with the verification (`queue_verdict`),
+nothing of vocabulary size leaves it, and the host walks the tree over those few scalars
+(`walk`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import numpy as np
 
 from .cache import KVCache
 from .drafters import QueuedChain
-from .sampling import SamplerSettings, draw, host_probs
+from .history import scores_of
+from .sampling import SamplerSettings, processed_logits
 from .tree import DraftTree, attention_mask, positions
 
 
@@ -74,55 +79,143 @@ def chain_parents(first: int, k: int) -> list[int]:
     return [0] + list(range(first, first + k - 1)) if k else []
 
 
-def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
+# Fields of each verified row's verdict (queue_verdict), by regime.
+GREEDY_FIELDS = ("token", "score")                        # the argmax and its score
+SAMPLED_FIELDS = ("token", "took", "score", "took_score")  # the draw y, whether the row's
+# sampled child x passed min(1, p/q), the score of y, the score of x
+
+
+@dataclass(frozen=True)
+class SampledDrafts:
+    """Drafts drawn from a drafter's distribution q, at most one below each row: the rows
+    they hang from, their tokens and each one's q, on the device (nothing read back)."""
+
+    rows: list[int]
+    tokens: mx.array      # (m,) int32
+    q: mx.array           # (m, V)
+
+    @classmethod
+    def of_chain(cls, chain: Optional[QueuedChain], n_tree: int) -> Optional["SampledDrafts"]:
+        """A sampled chain's drafts, verified after `n_tree` tree rows: the first hangs from
+        the root, each next one from the chain's row before it."""
+        if chain is None or chain.drawn_from is None:
+            return None
+        return cls([0] + list(range(n_tree, n_tree + len(chain) - 1)), chain.tokens,
+                   chain.drawn_from)
+
+
+def queue_verdict(logits: mx.array, settings: SamplerSettings, key: Optional[mx.array],
+                  drafts: Optional[SampledDrafts] = None, scores: bool = True) -> mx.array:
+    """Everything acceptance needs of the verified rows, lazily on the device: an (R, F)
+    float32 array of the regime's fields, a few scalars a row, so nothing of vocabulary size
+    leaves the device. Greedy: each row's argmax and the history's score of it. Sampled:
+    each row's draw y from the processed distribution p (from the residual max(p - q, 0) at a
+    row whose sampled draft x ~ q failed its test), whether x passed (u q(x) < p(x)), and the
+    scores of y and x. Every row draws, visited or not: draws at different rows are
+    independent, so the walk (walk_sampled) commits exactly what drawing node by node would.
+    `scores` False leaves the scores 0 (nobody reads them)."""
+    x = logits.astype(mx.float32)
+    lse = mx.logsumexp(x, axis=-1) if scores else None
+    if settings.greedy:
+        best = mx.argmax(x, axis=-1)
+        score = mx.max(x, axis=-1) - lse if scores else mx.zeros(best.shape)
+        return mx.stack([best.astype(mx.float32), score], axis=1)
+    p = mx.softmax(processed_logits(x, settings), axis=-1)
+    key_u, key_y = mx.random.split(key)
+    dist, took, child = p, mx.zeros(p.shape[0]), mx.zeros(p.shape[0], dtype=mx.int32)
+    if drafts is not None:
+        which = np.full(p.shape[0], -1)       # each row's sampled draft (-1: none)
+        which[drafts.rows] = np.arange(len(drafts.rows))
+        has, at = mx.array(which >= 0), mx.array(np.maximum(which, 0))
+        q, xs = drafts.q.astype(mx.float32)[at], drafts.tokens.astype(mx.int32)[at]
+        px = mx.take_along_axis(p, xs[:, None], -1)[:, 0]
+        qx = mx.take_along_axis(q, xs[:, None], -1)[:, 0]
+        passed = has & (mx.random.uniform(shape=px.shape, key=key_u) * qx < px)
+        dist = mx.where((has & ~passed)[:, None], residual(p, q), p)
+        took, child = passed.astype(mx.float32), xs
+    y = mx.random.categorical(mx.log(dist), key=key_y)
+    zero = mx.zeros(y.shape)
+    return mx.stack([y.astype(mx.float32), took,
+                     scores_of(x, y, lse) if scores else zero,
+                     scores_of(x, child, lse) if scores else zero], axis=1)
+
+
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """What the target still owes after rejecting a draft drawn from q: max(p - q, 0),
+    renormalised, per row. It has mass wherever p > q, which a rejection implies
+    (p(x) < q(x)); rows whose draft passed are not read."""
+    r = mx.maximum(p - q, 0.0)
+    return r / mx.maximum(r.sum(axis=-1, keepdims=True), 1e-30)
+
+
+@dataclass
+class Walked:
+    """What acceptance committed, and the history's score of each committed token."""
+
+    acceptance: Acceptance
+    scores: list[float]   # the score of each token after a path node: drafts, then bonus
+
+
+def walk_greedy(tree: DraftTree, verdict: np.ndarray) -> Walked:
     """Longest path whose drafts all equal the target's argmax; bonus = argmax after it.
     Siblings may carry the same token (a queued chain beside the tree's own drafts): each
     is followed, and the path that accepts most wins (the first such, on a tie)."""
-    best = np.array(mx.argmax(logits, axis=-1)).tolist()
+    best = verdict[:, 0].astype(np.int64).tolist()
 
     def longest(node: int) -> list[int]:
         below = [longest(c) for c in tree.children_of(node) if tree.token[c] == best[node]]
         return [node] + max(below, key=len, default=[])
 
     path = longest(0)
-    return Acceptance(path, best[path[-1]])
-def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
-                  rng: np.random.Generator) -> Acceptance:
-    """Draw the target's token at each node from the root down (from the residual, after a
-    sampled draft there was tried and rejected); follow the child that carries it (exactly
-    lossless, see the module docstring); the first draw no child carries is the bonus."""
-    node, path = 0, [0]
+    return Walked(Acceptance(path, best[path[-1]]), verdict[path, 1].tolist())
+
+
+def walk_sampled(tree: DraftTree, verdict: np.ndarray) -> Walked:
+    """From the root down: a node whose sampled child passed its test goes to it; else the
+    row's draw y (from the residual where that child failed) picks the child carrying it,
+    and the first y that no child carries is the bonus (exactly lossless, see the module
+    docstring)."""
+    node, path, scores = 0, [0], []
     while True:
-        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
-        sampled = next((c for c in tree.children_of(node) if c in tree.proposal), -1)
-        if sampled >= 0:
-            q, x = tree.proposal[sampled], tree.token[sampled]
-            if rng.random() * q[x] < p[x]:           # accepted with min(1, p(x) / q(x))
-                node = sampled
-                path.append(node)
-                continue
-            p = residual(p, q)
-        y = draw(p, rng)
+        if any(c in tree.drawn for c in tree.children_of(node)) and verdict[node, 1]:
+            node = next(c for c in tree.children_of(node) if c in tree.drawn)
+            scores.append(float(verdict[path[-1], 3]))
+            path.append(node)
+            continue
+        y = int(verdict[node, 0])
+        scores.append(float(verdict[node, 2]))
         nxt = tree.child(node, y)
         if nxt < 0:
-            return Acceptance(path, y)
+            return Walked(Acceptance(path, y), scores)
         node = nxt
         path.append(node)
 
 
-def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """What the target still owes after rejecting a draft drawn from q: max(p - q, 0),
-    renormalised. It has mass wherever p > q, which a rejection implies (p(x) < q(x))."""
-    r = np.maximum(p - q, 0.0)
-    return r / r.sum()
+def walk(tree: DraftTree, verdict: np.ndarray, settings: SamplerSettings) -> Walked:
+    """The regime's rule over a verdict read back (queue_verdict)."""
+    if settings.greedy:
+        return walk_greedy(tree, verdict)
+    return walk_sampled(tree, verdict)
 
 
 def accept(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
-           rng: np.random.Generator) -> Acceptance:
-    """The regime's rule: greedy or lossless sampled acceptance."""
-    if settings.greedy:
-        return accept_greedy(tree, logits)
-    return accept_sample(tree, logits, settings, rng)
+           rng: np.random.Generator, drafts: Optional[SampledDrafts] = None) -> Acceptance:
+    """Acceptance of verified `logits` in one readback (tests, calibration): the verdict with
+    a key from `rng`, then the walk. `drafts`: the sampled drafts among `tree`'s nodes (marked
+    in `tree.drawn`)."""
+    key = None if settings.greedy else mx.random.key(int(rng.integers(2**31)))
+    verdict = np.array(queue_verdict(logits, settings, key, drafts, scores=False))
+    return walk(tree, verdict, settings).acceptance
+
+
+def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:
+    return accept(tree, logits, SamplerSettings(), np.random.default_rng(0))
+
+
+def accept_sample(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
+                  rng: np.random.Generator, drafts: Optional[SampledDrafts] = None
+                  ) -> Acceptance:
+    return accept(tree, logits, settings, rng, drafts)
 
 
 def expected_path_length(tree: DraftTree, probs: np.ndarray) -> float:

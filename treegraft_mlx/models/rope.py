@@ -102,8 +102,12 @@ class RoPE(nn.Module):
     def __call__(self, x: mx.array, positions: Positions) -> mx.array:
         freqs = self._freqs
         if self.window is not None:
-            last = positions + x.shape[2] - 1 if isinstance(positions, int) else positions.max().item()
-            freqs = self._long_freqs if last + 1 > self.window else self._freqs
+            if isinstance(positions, int):
+                long = positions + x.shape[2] > self.window
+                freqs = self._long_freqs if long else self._freqs
+            else:       # chosen on the device: reading the maximum back would wait on it
+                long = positions.max() + 1 > self.window
+                freqs = mx.where(long, self._long_freqs, self._freqs)
         if self.input_scale != 1.0:
             x = mx.concatenate([x[..., :self.dims] * self.input_scale, x[..., self.dims:]], -1)
         kwargs = dict(traditional=False, base=self.base, scale=self.scale, freqs=freqs)

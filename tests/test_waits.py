@@ -1,0 +1,102 @@
+"""Host waits per step: every strategy, greedy and sampled, waits on the device at most once
+per target forward (the first step after a prefill aside) and reads at most 4 KB back.
+
+Counted by wrapping MLX's readback entry points (waits.Waits), not from the decoder's own
+bookkeeping, between consecutive blocks of the stream: each block after the prefill's token
+is one target forward.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from scripted import deterministic
+from treegraft_mlx import fixture_path, load, probe
+from treegraft_mlx import verify as verify_module
+from treegraft_mlx.engine import stream_generate
+from treegraft_mlx.pricing import CallPolicy
+from treegraft_mlx.sampling import SamplerSettings
+from treegraft_mlx.timing import StepCosts
+from treegraft_mlx.waits import Waits
+
+STRATEGIES = ("ar", "ngram", "draft", "treegraft", "chain:2")
+REGIMES = (SamplerSettings(), SamplerSettings(temp=0.8, top_p=0.9))
+MAX_BYTES = 4096
+# A flat verification curve (a Mac GPU's bf16 one): the sizer verifies trees, not AR steps.
+FLAT = StepCosts(tuple(range(1, 33)), (22.5,) * 16 + (30.0,) * 16, ar_ms=22.2, overhead_ms=0.3,
+                 draft_ms=0.3)
+# Repeats early in a long prompt: the n-gram drafter reads the prompt's rows' scores.
+BODY = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n")
+PROMPT = BODY * 4 + "def mul(a, b):\n"
+
+
+@pytest.fixture(scope="module")
+def family():
+    """The fixture family with no end-of-sequence token: every run decodes its max_tokens."""
+    family = deterministic(load(fixture_path()))
+    family.tokenizer._eos_token_ids.clear()
+    return family
+
+
+@pytest.fixture(autouse=True)
+def flat_costs(monkeypatch):
+    monkeypatch.setattr(probe, "step_costs", lambda family, tree, refresh=False: FLAT)
+
+
+def per_step(family, strategy: str, settings: SamplerSettings, max_tokens: int = 40
+             ) -> np.ndarray:
+    """(steps, 2): waits and bytes read back during each target forward after the prefill."""
+    marks = []
+    with Waits() as waits:
+        for _ in stream_generate(family, PROMPT, strategy, max_tokens=max_tokens,
+                                 settings=settings, seed=3):
+            marks.append(waits.snapshot())
+    return np.diff(np.array(marks), axis=0)
+
+
+@pytest.mark.parametrize("settings", REGIMES, ids=("greedy", "sampled"))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_one_wait_per_target_forward(family, strategy, settings):
+    steps = per_step(family, strategy, settings)
+    assert len(steps) >= 5, strategy
+    later = steps[1:]                        # the first step after the prefill may catch up
+    assert later[:, 0].max() <= 1 and later[:, 0].min() == 1, (strategy, later[:, 0].tolist())
+    assert later[:, 1].max() <= MAX_BYTES, (strategy, later[:, 1].tolist())
+
+
+@pytest.mark.parametrize("settings", REGIMES, ids=("greedy", "sampled"))
+def test_chains_on_every_step_wait_once(family, settings, monkeypatch):
+    """A call on every step: the chain is drafted, verified and read back in one wait."""
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    for strategy in ("draft", "treegraft"):
+        steps = per_step(family, strategy, settings)
+        assert steps[1:, 0].max() == 1 and steps[1:, 1].max() <= MAX_BYTES, strategy
+
+
+def test_a_second_readback_in_the_step_is_counted(family, monkeypatch):
+    """The count can fail: a walk that reads the device once more is seen at every tree step."""
+    walk = verify_module.walk
+
+    def reads_again(tree, verdict, settings):
+        mx.eval(mx.zeros(1))
+        return walk(tree, verdict, settings)
+
+    monkeypatch.setattr(verify_module, "walk", reads_again)
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    steps = per_step(family, "draft", REGIMES[0])
+    assert steps[1:, 0].max() == 2
+
+
+def test_every_readback_entry_point_is_counted():
+    one, row = mx.array(3.0), mx.arange(4, dtype=mx.float32)
+    with Waits() as waits:
+        mx.eval(row)
+        one.item(), row.tolist(), int(one), float(one), bool(one)
+        np.array(row), np.asarray(row)
+        np.array([1, 2])                     # numpy data: no wait
+    assert waits.count == 8
+    assert waits.nbytes == 4 + 16 + 4 + 4 + 4 + 16 + 16
+    assert mx.eval.__name__ == "eval" and np.array.__name__ == "array"   # restored
