@@ -97,9 +97,9 @@ class DraftedNodes:
         self.a, self.took = [], []    # at sampled drafts: min(1, p/q), committed == the draft
         self.seen = None              # the last verification's logits and sampled drafts
 
-    def queue_verdict(self, logits, settings, key, drafts=None, scores=True):
+    def queue_verdict(self, logits, settings, seed, drafts=None, scores=True):
         self.seen = (logits, drafts)
-        return self.verdict_rule(logits, settings, key, drafts, scores)
+        return self.verdict_rule(logits, settings, seed, drafts, scores)
 
     def walk(self, tree, verdict, settings):
         walked = self.walk_rule(tree, verdict, settings)
@@ -201,6 +201,18 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
 
 @pytest.mark.parametrize("strategy, adaptive", CASES)
 def test_sampled_tokens_follow_the_target_distribution(family, strategy, adaptive, monkeypatch):
+    _check_case(family, strategy, adaptive, monkeypatch)
+
+
+@pytest.mark.parametrize("strategy", ["draft", "treegraft"])
+def test_the_verdict_on_the_device_is_lossless_too(family, strategy, monkeypatch):
+    """A GPU computes the verdict on the device (verify.device_table): the same statistics
+    through it, sampled chains included (forced here; MLX's CPU kernels run it)."""
+    monkeypatch.setattr(verify_module, "on_gpu", lambda: True)
+    _check_case(family, strategy, True, monkeypatch)
+
+
+def _check_case(family, strategy: str, adaptive: bool, monkeypatch) -> None:
     got = run_case(family, strategy, adaptive, monkeypatch)
     assert got.trees >= 20 and got.accepted >= 20 and got.rejected >= 20, got
     # Priced strong-drafter chains are sampled drafts when sampling (min(1, p/q) acceptance).
@@ -229,9 +241,9 @@ def follows_the_argmax(monkeypatch) -> None:
     accepted outright (greedy acceptance mixed into sampling); otherwise the exact draw."""
     seen, verdict_rule, walk_rule = {}, verify_module.queue_verdict, verify_module.walk
 
-    def remember(logits, settings, key, drafts=None, scores=True):
+    def remember(logits, settings, seed, drafts=None, scores=True):
         seen["logits"] = logits
-        return verdict_rule(logits, settings, key, drafts, scores)
+        return verdict_rule(logits, settings, seed, drafts, scores)
 
     def walk(tree, verdict, settings):
         best, verdict = np.array(mx.argmax(seen["logits"], axis=-1)), verdict.copy()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from treegraft_mlx.sampling import SamplerSettings, draw, target_probs
+from treegraft_mlx import verify as verify_module
 from treegraft_mlx.tree import DraftTree
 from treegraft_mlx.verify import (Acceptance, SampledDrafts, accept_greedy, accept_sample,
                                   expected_path_length, residual)
@@ -68,11 +69,20 @@ def first_token_chi_square(rule, n: int = 5000, seed: int = 1) -> float:
     return chi_square(counts, p)
 
 
-def test_first_token_distribution_is_exact():
+@pytest.fixture(params=("host", "device"))
+def placement(request, monkeypatch) -> str:
+    """Where the verdict is computed: in numpy (MLX's CPU backend) or on the device (a GPU's
+    placement, forced here; MLX's CPU kernels run it)."""
+    if request.param == "device":
+        monkeypatch.setattr(verify_module, "on_gpu", lambda: True)
+    return request.param
+
+
+def test_first_token_distribution_is_exact(placement):
     assert first_token_chi_square(accept_sample) < CHI2_CRIT_001[5]
 
 
-def test_second_token_given_accepted_draft_is_exact():
+def test_second_token_given_accepted_draft_is_exact(placement):
     # After the draft "2" is accepted, the next token follows the row of node 1.
     tree, logits = constructed_case()
     p = np.exp(np.array(logits[1]))
@@ -135,7 +145,7 @@ def sampled_first_tokens(rule, n: int = 6000, seed: int = 4) -> tuple[np.ndarray
     return counts, hits
 
 
-def test_a_sampled_draft_is_accepted_by_min_p_over_q_and_stays_lossless():
+def test_a_sampled_draft_is_accepted_by_min_p_over_q_and_stays_lossless(placement):
     """A draft drawn from q is accepted with 1 - TV(p, q) (here 0.45, against p(x) averaged
     over x ~ q, 0.13, had it been treated as a fixed proposal), and the first committed token
     still follows p exactly; skipping the residual fails the same test."""
@@ -210,7 +220,7 @@ def test_end_to_end_sampling_matches_target_distribution(checkpoints, strategy):
     assert chi_square(counts, probs) < CHI2_CRIT_001[len(keys) - 1]
 
 
-def test_expected_path_length_matches_the_acceptance_rules():
+def test_expected_path_length_matches_the_acceptance_rules(placement):
     """The value system's expected accepted length: Monte Carlo over accept_sample agrees
     (within 4 standard errors), and with one-hot (greedy) rows it is the greedy path length."""
     tree, logits = constructed_case()
@@ -227,7 +237,7 @@ def test_expected_path_length_matches_the_acceptance_rules():
     assert expected_path_length(tree, one_hot) == len(accept_greedy(tree, logits).path) == 2
 
 
-def test_greedy_acceptance_follows_the_twin_that_accepts_longest():
+def test_greedy_acceptance_follows_the_twin_that_accepts_longest(placement):
     """A queued chain may hang beside a sibling that carries the same token: greedy
     acceptance follows both and keeps the longer accepted path (the first on a tie), so a
     chain that agrees with the tree's own drafts never shortens what the tree accepts."""

@@ -7,6 +7,7 @@ import pytest
 
 from scores import reference_scores
 from treegraft_mlx import generate, load
+from treegraft_mlx.readback import read_back
 from treegraft_mlx.sampling import SamplerSettings
 from treegraft_mlx.session import Session, common_prefix
 
@@ -114,9 +115,10 @@ def test_drafters_after_a_second_turn_match_a_fresh_session(family, kind):
 
 
 def test_prompt_rows_are_computed_only_where_read(family):
-    """Prefill defers the prompt's scores; reading one position computes its block alone, with
-    the values a plain forward gives; a reused prefix carries deferred rows, and the last
-    reused position is scored against the token that follows it in the new prompt."""
+    """Prefill defers the prompt's scores; a prefetch of one position queues that row alone,
+    read back with the next readback, with the values a plain forward gives; a reused prefix
+    carries deferred rows, and the last reused position is scored against the token that
+    follows it in the new prompt."""
     from treegraft_mlx.history import LAZY_BLOCK
 
     ids = family.tokenizer.encode("def add(a, b):\n    return a + b\n" * 12)
@@ -127,9 +129,12 @@ def test_prompt_rows_are_computed_only_where_read(family):
     assert np.isnan(history.lp[:len(ids)]).all()            # nothing computed up front
     want = reference_scores(family.target, history.tokens, len(ids))
     p = LAZY_BLOCK + 3
+    history.prefetch([p])
+    assert history.logprob(p) == 0.0                        # queued, not read back yet
+    history.collect(read_back(*history.pending()))
     assert history.logprob(p) == pytest.approx(want[p], abs=1e-4)
     computed = np.flatnonzero(~np.isnan(history.lp[:len(ids)]))
-    assert computed.tolist() == list(range(LAZY_BLOCK, 2 * LAZY_BLOCK))
+    assert computed.tolist() == [p]
     history.scores(len(ids))                                 # everything scored now
     root = history.root
     for follow in (root, (root + 1) % 200):  # the old following token kept, and a new one

@@ -258,12 +258,11 @@ def test_a_chain_appended_beside_its_twin_keeps_its_own_rows():
     t = DraftTree.rooted_at(4)
     a = t.add(0, 9, -0.1, by=NGRAM)
     t.add(a, 3, -0.2, by=NGRAM)
-    q = [np.full(20, 0.05), np.full(20, 0.05)]
-    nodes = t.append_chain([9, 10], STRONG, q)
+    nodes = t.append_chain([9, 10], STRONG, drawn=True)
     assert nodes == [3, 4] and t.parent[3:] == [0, 3] and t.depth[3:] == [1, 2]
     assert t.child(0, 9) == a and t.children_of(0) == [a, 3] and t.child(3, 10) == 4
     assert t.drafted_by[a] == t.drafted_by[3] == NGRAM | STRONG and t.drafted_by[4] == STRONG
-    assert t.proposal[3] is q[0] and t.proposal[4] is q[1]
+    assert t.drawn == {3, 4} and t.subtree(np.array([0, 3])).drawn == {1}
 
 
 def test_reach_measures_the_ngram_drafts_and_the_chain_apart():

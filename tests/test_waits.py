@@ -1,9 +1,11 @@
 """Host waits per step: every strategy, greedy and sampled, waits on the device at most once
-per target forward (the first step after a prefill aside) and reads at most 4 KB back.
+per target forward (the first step after a prefill aside) and, where the verdict is computed
+on the device (a GPU's placement, forced here), reads at most 4 KB back.
 
 Counted by wrapping MLX's readback entry points (waits.Waits), not from the decoder's own
 bookkeeping, between consecutive blocks of the stream: each block after the prefill's token
-is one target forward.
+is one target forward. On MLX's CPU backend the step reads its verified rows back whole and
+accepts in numpy (verify.queue_verdict), still in one wait.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 
 from scripted import deterministic
 from treegraft_mlx import fixture_path, load, probe
+from treegraft_mlx import history as history_module
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.engine import stream_generate
 from treegraft_mlx.pricing import CallPolicy
@@ -46,7 +49,17 @@ def flat_costs(monkeypatch):
     monkeypatch.setattr(probe, "step_costs", lambda family, tree, refresh=False: FLAT)
 
 
-def per_step(family, strategy: str, settings: SamplerSettings, max_tokens: int = 40
+@pytest.fixture(params=("cpu", "gpu"))
+def placement(request, monkeypatch) -> str:
+    """Where verdicts and scores are computed: as on this CPU, or on the device as a GPU
+    places them (run here on MLX's CPU kernels)."""
+    if request.param == "gpu":
+        monkeypatch.setattr(verify_module, "on_gpu", lambda: True)
+        monkeypatch.setattr(history_module, "on_gpu", lambda: True)
+    return request.param
+
+
+def per_step(family, strategy: str, settings: SamplerSettings, max_tokens: int = 24
              ) -> np.ndarray:
     """(steps, 2): waits and bytes read back during each target forward after the prefill."""
     marks = []
@@ -59,21 +72,23 @@ def per_step(family, strategy: str, settings: SamplerSettings, max_tokens: int =
 
 @pytest.mark.parametrize("settings", REGIMES, ids=("greedy", "sampled"))
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_one_wait_per_target_forward(family, strategy, settings):
+def test_one_wait_per_target_forward(family, strategy, settings, placement):
     steps = per_step(family, strategy, settings)
     assert len(steps) >= 5, strategy
     later = steps[1:]                        # the first step after the prefill may catch up
     assert later[:, 0].max() <= 1 and later[:, 0].min() == 1, (strategy, later[:, 0].tolist())
-    assert later[:, 1].max() <= MAX_BYTES, (strategy, later[:, 1].tolist())
+    if placement == "gpu":
+        assert later[:, 1].max() <= MAX_BYTES, (strategy, later[:, 1].tolist())
 
 
 @pytest.mark.parametrize("settings", REGIMES, ids=("greedy", "sampled"))
-def test_chains_on_every_step_wait_once(family, settings, monkeypatch):
+def test_chains_on_every_step_wait_once(family, settings, placement, monkeypatch):
     """A call on every step: the chain is drafted, verified and read back in one wait."""
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
     for strategy in ("draft", "treegraft"):
         steps = per_step(family, strategy, settings)
-        assert steps[1:, 0].max() == 1 and steps[1:, 1].max() <= MAX_BYTES, strategy
+        assert steps[1:, 0].max() == 1, strategy
+        assert placement == "cpu" or steps[1:, 1].max() <= MAX_BYTES, strategy
 
 
 def test_a_second_readback_in_the_step_is_counted(family, monkeypatch):

@@ -41,7 +41,7 @@ import numpy as np
 from .build import TreeBuild
 from .drafters import Drafters, QueuedChain
 from .family import TreeConfig
-from .history import History, scores_of
+from .history import History, QueuedScores, queue_scores
 from .pricing import CallPolicy, Fallback, Sizer
 from .sampling import DeviceDraws, SamplerSettings, sample_token
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
@@ -509,10 +509,10 @@ class Decoder:
 @dataclass
 class Queued:
     """A target forward of one token, queued: its next token (lazy) and, where the history
-    is scored, that token's score after this row (lazy)."""
+    is scored, that token's score after this row (queued: history.queue_scores)."""
 
     token: mx.array
-    score: Optional[mx.array] = None
+    score: Optional[QueuedScores] = None
 
     def read(self, history: Optional[History] = None) -> int:
         """The next token, in one wait. With `history` (a scored one), the same readback
@@ -520,11 +520,11 @@ class Queued:
         prefetches."""
         if history is None or self.score is None:
             return int(self.token.item())
-        pending = history.pending()
-        got = read_back(self.token, self.score, *pending)
+        got = read_back(self.token, self.score.part, *history.pending())
         history.collect(got[2:])
-        history.keep(history.committed, got[1])
-        return ints(got[0])[0]
+        token = ints(got[0])[0]
+        history.keep(history.committed, self.score.finish(got[1], [token]))
+        return token
 
 
 class ArForward:
@@ -550,11 +550,8 @@ class ArForward:
         self.cache.commit()
         self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)
-        score = None
-        if self.scores:
-            x = logits.astype(mx.float32)[None]
-            score = scores_of(x, nxt.reshape(1), mx.logsumexp(x, axis=-1))
-        mx.async_eval(nxt, *([] if score is None else [score]))
+        score = queue_scores(logits[None], nxt.reshape(1)) if self.scores else None
+        mx.async_eval(nxt, *([] if score is None else [score.part]))
         return Queued(nxt, score)
 
 
@@ -601,18 +598,16 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
     t0 = clock()
     history, n_tree = session.history, len(tree)
     logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)
-    key = None if settings.greedy else mx.random.key(int(rng.integers(2**31)))
+    seed = None if settings.greedy else int(rng.integers(2**31))
     drafts = verify.SampledDrafts.of_chain(chain, n_tree)
-    parts = [verify.queue_verdict(logits, settings, key, drafts, scores)]
-    if chain is not None:
-        parts.append(chain.tokens)
-    pending = history.pending()
-    got = read_back(*parts, *pending)
+    verdict = verify.queue_verdict(logits, settings, seed, drafts, scores)
+    parts = [*verdict.parts] + ([chain.tokens] if chain is not None else [])
+    got = read_back(*parts, *history.pending())
     history.collect(got[len(parts):])
     if chain is not None:
-        tree.append_chain(ints(got[1]), STRONG, drawn=chain.drawn_from is not None)
+        tree.append_chain(ints(got[len(parts) - 1]), STRONG, drawn=drafts is not None)
     t1 = clock()
-    walked = verify.walk(tree, got[0].reshape(len(tree), -1), settings)
+    walked = verify.walk(tree, verdict.finish(got[:len(verdict.parts)]), settings)
     block = commit(session, drafters, tree, walked, hidden, scores)
     return VerifiedStep(block, walked.acceptance, logits, t1 - t0, clock() - t1)
 

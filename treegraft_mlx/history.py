@@ -16,7 +16,8 @@ verified them queued their scores with its verdict (`keep`).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +42,7 @@ class History:
         self.lp = np.full(capacity, np.nan, dtype=np.float32)   # NaN: not scored
         # Deferred rows by block (position // LAZY_BLOCK): (start, hidden, head) parts.
         self._deferred: dict[int, list[tuple[int, mx.array, Head]]] = {}
-        self._pending: list[tuple[list[int], mx.array]] = []   # queued prefetches
+        self._pending: list[tuple[list[int], QueuedScores]] = []   # queued prefetches
         self._queued: set[int] = set()                         # their positions
 
     @property
@@ -132,18 +133,17 @@ class History:
                     entry[2].append(hidden[mx.array(mine) - start])
         for head, where, parts in rows.values():
             following = mx.array([self.tokens[p + 1] for p in where])
-            x = head(mx.concatenate(parts)).astype(mx.float32)
-            self._pending.append((where, scores_of(x, following, mx.logsumexp(x, axis=-1))))
+            self._pending.append((where, queue_scores(head(mx.concatenate(parts)), following)))
             self._queued.update(where)
 
     def pending(self) -> list[mx.array]:
         """The queued prefetches' scores, for the step's readback to carry."""
-        return [scores for _, scores in self._pending]
+        return [queued.part for _, queued in self._pending]
 
     def collect(self, values: Sequence[np.ndarray]) -> None:
         """The values of `pending()`, read back: those positions are scored now."""
-        for (where, _), lps in zip(self._pending, values):
-            self.lp[where] = lps
+        for (where, queued), value in zip(self._pending, values):
+            self.lp[where] = queued.finish(value, [self.tokens[p + 1] for p in where])
         self._pending, self._queued = [], set()
 
     def logprob(self, position: int) -> float:
@@ -175,6 +175,32 @@ def scores_of(x: mx.array, tokens: mx.array, lse: mx.array) -> mx.array:
     top = min(TOP_RANKS, x.shape[-1])
     tenth = mx.topk(x, top, axis=-1).min(-1)
     return mx.where(inside, own, tenth - OUTSIDE_TOP_PENALTY) - lse
+
+
+@dataclass(frozen=True)
+class QueuedScores:
+    """History scores of the tokens after some logits rows, queued for a step's readback:
+    on a GPU the scores themselves (scores_of: a few floats leave the device); on MLX's CPU
+    backend the float32 rows, scored in numpy once read (host and device are one processor
+    and one memory there, and numpy's vectorised exp is far faster than MLX's CPU one)."""
+
+    part: mx.array          # what the readback carries
+    on_host: bool
+
+    def finish(self, value: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+        """The scores, from the part read back and the tokens that followed each row."""
+        if not self.on_host:
+            return value
+        tokens = np.asarray(tokens, dtype=np.int64)
+        return host_followed_logprobs(value.reshape(len(tokens), -1), tokens)
+
+
+def queue_scores(logits: mx.array, tokens: Optional[mx.array] = None) -> QueuedScores:
+    """Queue the scores of `tokens` (lazy, on the device) after `logits` rows (L, V)."""
+    x = logits.astype(mx.float32)
+    if on_gpu():
+        return QueuedScores(scores_of(x, tokens, mx.logsumexp(x, axis=-1)), False)
+    return QueuedScores(x, True)
 
 
 def host_logsumexp(x: np.ndarray) -> np.ndarray:

@@ -119,12 +119,27 @@ def host_probs(logits: np.ndarray, s: SamplerSettings) -> np.ndarray:
     if s.top_k and s.top_k < len(p):
         p = np.where(p >= np.partition(p, -s.top_k)[-s.top_k], p, 0.0)
     if s.top_p < 1.0:
-        desc = np.sort(p)[::-1]
-        before = np.cumsum(desc) - desc
-        p = np.where(p >= desc[before < s.top_p * desc.sum()].min(), p, 0.0)
+        p = np.where(p >= top_p_threshold(p, s.top_p), p, 0.0)
     if s.min_p > 0:
         p = np.where(p >= s.min_p * p.max(), p, 0.0)
     return p / p.sum()
+
+
+NUCLEUS_GUESS = 256   # top-p looks among this many of the likeliest tokens first
+
+
+def top_p_threshold(p: np.ndarray, top_p: float) -> float:
+    """The smallest probability top-p keeps (processed_logits' rule): found among the
+    NUCLEUS_GUESS likeliest tokens, partitioned out in O(V), and by a full sort only where
+    the nucleus does not end among them (a flat distribution)."""
+    mass = top_p * p.sum()
+    for k in (min(NUCLEUS_GUESS, len(p)), len(p)):
+        desc = -np.sort(-np.partition(p, len(p) - k)[len(p) - k:])
+        before = np.cumsum(desc) - desc
+        kept = before < mass
+        if not kept.all() or k == len(p):
+            return float(desc[kept].min())
+    raise AssertionError("unreachable")
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:

@@ -24,15 +24,16 @@ nothing of vocabulary size leaves it, and the host walks the tree over those few
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
 from .drafters import QueuedChain
-from .history import scores_of
-from .sampling import SamplerSettings, processed_logits
+from .device import on_gpu
+from .history import host_followed_logprobs, host_logsumexp, scores_of
+from .sampling import SamplerSettings, draw, host_probs, processed_logits
 from .tree import DraftTree, attention_mask, positions
 
 
@@ -104,16 +105,45 @@ class SampledDrafts:
                    chain.drawn_from)
 
 
-def queue_verdict(logits: mx.array, settings: SamplerSettings, key: Optional[mx.array],
-                  drafts: Optional[SampledDrafts] = None, scores: bool = True) -> mx.array:
-    """Everything acceptance needs of the verified rows, lazily on the device: an (R, F)
-    float32 array of the regime's fields, a few scalars a row, so nothing of vocabulary size
-    leaves the device. Greedy: each row's argmax and the history's score of it. Sampled:
-    each row's draw y from the processed distribution p (from the residual max(p - q, 0) at a
-    row whose sampled draft x ~ q failed its test), whether x passed (u q(x) < p(x)), and the
-    scores of y and x. Every row draws, visited or not: draws at different rows are
-    independent, so the walk (walk_sampled) commits exactly what drawing node by node would.
-    `scores` False leaves the scores 0 (nobody reads them)."""
+@dataclass(frozen=True)
+class Verdict:
+    """A step's verdict, queued: the arrays its readback carries, and how the host turns
+    them into the (R, F) table of the regime's fields that the walk reads."""
+
+    parts: tuple[mx.array, ...]
+    finish: Callable[[list[np.ndarray]], np.ndarray]
+
+
+def queue_verdict(logits: mx.array, settings: SamplerSettings, seed: Optional[int],
+                  drafts: Optional[SampledDrafts] = None, scores: bool = True) -> Verdict:
+    """Everything acceptance needs of the verified rows (R of them), queued with the
+    verification: a few scalars a row. Greedy: each row's argmax and the history's score of
+    it. Sampled: each row's draw y from the processed distribution p (from the residual
+    max(p - q, 0) at a row whose sampled draft x ~ q failed its test), whether x passed
+    (u q(x) < p(x)), and the scores of y and x. Every row draws, visited or not: draws at
+    different rows are independent, so the walk (walk_sampled) commits exactly what drawing
+    node by node would. `seed` seeds the draws (None when greedy); `scores` False leaves the
+    scores 0 (nobody reads them).
+
+    Where it runs: on a GPU, on the device (device_table), so nothing of vocabulary size
+    leaves it; on MLX's CPU backend, in numpy on the rows read back (host_table): host and
+    device are one processor and one memory there, and numpy's vectorised exp and partition
+    are an order of magnitude faster than MLX's CPU kernels. Either way the step reads back
+    once."""
+    rows = logits.shape[0]
+    if on_gpu():
+        table = device_table(logits, settings, seed, drafts, scores)
+        return Verdict((table,), lambda values: values[0].reshape(rows, -1))
+    parts = [logits.astype(mx.float32)]
+    if drafts is not None and not settings.greedy:
+        parts += [drafts.q.astype(mx.float32), drafts.tokens]
+    return Verdict(tuple(parts), lambda values: host_table(
+        values, rows, settings, seed, drafts.rows if len(parts) > 1 else [], scores))
+
+
+def device_table(logits: mx.array, settings: SamplerSettings, seed: Optional[int],
+                 drafts: Optional[SampledDrafts], scores: bool) -> mx.array:
+    """queue_verdict's table, lazily on the device: (R, F) float32."""
     x = logits.astype(mx.float32)
     lse = mx.logsumexp(x, axis=-1) if scores else None
     if settings.greedy:
@@ -121,7 +151,7 @@ def queue_verdict(logits: mx.array, settings: SamplerSettings, key: Optional[mx.
         score = mx.max(x, axis=-1) - lse if scores else mx.zeros(best.shape)
         return mx.stack([best.astype(mx.float32), score], axis=1)
     p = mx.softmax(processed_logits(x, settings), axis=-1)
-    key_u, key_y = mx.random.split(key)
+    key_u, key_y = mx.random.split(mx.random.key(seed))
     dist, took, child = p, mx.zeros(p.shape[0]), mx.zeros(p.shape[0], dtype=mx.int32)
     if drafts is not None:
         which = np.full(p.shape[0], -1)       # each row's sampled draft (-1: none)
@@ -140,12 +170,38 @@ def queue_verdict(logits: mx.array, settings: SamplerSettings, key: Optional[mx.
                      scores_of(x, child, lse) if scores else zero], axis=1)
 
 
-def residual(p: mx.array, q: mx.array) -> mx.array:
+def host_table(values: list[np.ndarray], rows: int, settings: SamplerSettings,
+               seed: Optional[int], drafted: list[int], scores: bool) -> np.ndarray:
+    """queue_verdict's table in numpy, from the rows read back (then q and the sampled
+    drafts' tokens, where `drafted` names their rows): (R, F) float64."""
+    x = values[0].reshape(rows, -1)
+    if settings.greedy:
+        best = x.argmax(axis=-1)
+        score = x.max(axis=-1) - host_logsumexp(x) if scores else np.zeros(rows)
+        return np.stack([best, score], axis=1)
+    rng = np.random.default_rng(seed)
+    dist = [host_probs(row, settings) for row in x]
+    took, child = np.zeros(rows), np.zeros(rows, dtype=np.int64)
+    if drafted:
+        q = values[1].reshape(len(drafted), -1).astype(np.float64)
+        for i, (r, token) in enumerate(zip(drafted, values[2].astype(np.int64))):
+            child[r] = token
+            took[r] = rng.random() * q[i, token] < dist[r][token]
+            if not took[r]:
+                dist[r] = residual(dist[r], q[i])
+    y = np.array([draw(d, rng) for d in dist])
+    zero = np.zeros(rows)
+    return np.stack([y, took, host_followed_logprobs(x, y) if scores else zero,
+                     host_followed_logprobs(x, child) if scores else zero], axis=1)
+
+
+def residual(p, q):
     """What the target still owes after rejecting a draft drawn from q: max(p - q, 0),
-    renormalised, per row. It has mass wherever p > q, which a rejection implies
-    (p(x) < q(x)); rows whose draft passed are not read."""
-    r = mx.maximum(p - q, 0.0)
-    return r / mx.maximum(r.sum(axis=-1, keepdims=True), 1e-30)
+    renormalised, per row (numpy or MLX arrays alike). It has mass wherever p > q, which a
+    rejection implies (p(x) < q(x)); rows whose draft passed are not read."""
+    lib = np if isinstance(p, np.ndarray) else mx
+    r = lib.maximum(p - q, 0.0)
+    return r / lib.maximum(r.sum(axis=-1, keepdims=True), 1e-30)
 
 
 @dataclass
@@ -200,12 +256,13 @@ def walk(tree: DraftTree, verdict: np.ndarray, settings: SamplerSettings) -> Wal
 
 def accept(tree: DraftTree, logits: mx.array, settings: SamplerSettings,
            rng: np.random.Generator, drafts: Optional[SampledDrafts] = None) -> Acceptance:
-    """Acceptance of verified `logits` in one readback (tests, calibration): the verdict with
-    a key from `rng`, then the walk. `drafts`: the sampled drafts among `tree`'s nodes (marked
-    in `tree.drawn`)."""
-    key = None if settings.greedy else mx.random.key(int(rng.integers(2**31)))
-    verdict = np.array(queue_verdict(logits, settings, key, drafts, scores=False))
-    return walk(tree, verdict, settings).acceptance
+    """Acceptance of verified `logits` in one readback (tests, calibration): the verdict
+    seeded from `rng`, then the walk. `drafts`: the sampled drafts among `tree`'s nodes
+    (marked in `tree.drawn`)."""
+    seed = None if settings.greedy else int(rng.integers(2**31))
+    verdict = queue_verdict(logits, settings, seed, drafts, scores=False)
+    table = verdict.finish([np.array(p) for p in verdict.parts])
+    return walk(tree, table, settings).acceptance
 
 
 def accept_greedy(tree: DraftTree, logits: mx.array) -> Acceptance:

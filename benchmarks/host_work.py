@@ -1,0 +1,111 @@
+"""Host work per verification step against the vocabulary size: the acceptance code on
+synthetic logits, at tg-tiny's 8,192 tokens and the 151,936 of every Qwen target.
+
+A step of 12 verified rows (an 8-node tree with a chain of 3, the root's and the chain's
+rows visited first) is accepted by the runtime's code (verify.queue_verdict, read_back,
+verify.walk), greedy and sampled with top-p 0.9, a sampled chain's q included. Host time is
+what Python spends building the verdict's graph and walking the tree; the wait (the device
+computing the verdict, on this CPU the CPU itself) is reported beside it, as is the step
+before the one-readback change, which read each visited node's full row back and worked on
+it in numpy (sampling.host_probs and an inverse-CDF draw).
+
+    python benchmarks/host_work.py [--repeat 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import treegraft_mlx  # noqa: F401  (loads the system OpenBLAS first)
+from treegraft_mlx.readback import read_back
+from treegraft_mlx.sampling import SamplerSettings, host_probs
+from treegraft_mlx.tree import STRONG, DraftTree
+from treegraft_mlx.verify import SampledDrafts, queue_verdict, walk
+
+VOCABS = (8_192, 151_936)
+REGIMES = {"greedy": SamplerSettings(), "sampled, top-p 0.9": SamplerSettings(temp=0.8, top_p=0.9)}
+
+
+def case(vocab: int, rng: np.random.Generator):
+    """An 8-node tree (root, a chain of 3 n-gram drafts with siblings), a sampled chain of 3
+    from the root, and logits that mostly agree with the drafts."""
+    tree = DraftTree.rooted_at(1)
+    tokens = rng.integers(2, vocab, 16).tolist()
+    a = tree.add(0, tokens[0], 0.0)
+    b = tree.add(a, tokens[1], 0.0)
+    tree.add(b, tokens[2], 0.0)
+    for t in tokens[3:7]:
+        tree.add(0, t, 0.0)
+    n_tree, chain = len(tree), tokens[7:10]
+    tree.append_chain(chain, STRONG, drawn=True)
+    logits = rng.normal(0.0, 2.0, (len(tree), vocab)).astype(np.float32)
+    for node in range(len(tree)):              # each row favours its first child's token
+        kids = tree.children_of(node)
+        if kids:
+            logits[node, tree.token[kids[0]]] += 12.0
+    q = rng.dirichlet(np.full(vocab, 0.05), 3).astype(np.float32)
+    q[np.arange(3), chain] += 0.5
+    q /= q.sum(1, keepdims=True)
+    drafts = SampledDrafts([0] + list(range(n_tree, n_tree + 2)), mx.array(chain), mx.array(q))
+    return tree, mx.array(logits), drafts
+
+
+def one_readback(tree, logits, drafts, settings, key) -> tuple[float, float, int]:
+    """Host ms (building the verdict's graph, walking), wait ms, nodes visited."""
+    t0 = time.perf_counter()
+    verdict = queue_verdict(logits, settings, key, None if settings.greedy else drafts)
+    t1 = time.perf_counter()
+    got = read_back(verdict)[0].reshape(len(tree), -1)
+    t2 = time.perf_counter()
+    walked = walk(tree, got, settings)
+    t3 = time.perf_counter()
+    return 1000 * (t1 - t0 + t3 - t2), 1000 * (t2 - t1), len(walked.acceptance.path)
+
+
+def row_per_node(tree, logits, settings, rng) -> tuple[float, int]:
+    """The step before: every visited node's row read back and processed on the host."""
+    mx.eval(logits)
+    t0 = time.perf_counter()
+    node, visited = 0, 1
+    while True:
+        p = host_probs(np.array(logits[node].astype(mx.float32)), settings)
+        c = np.cumsum(p)
+        y = int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
+        nxt = tree.child(node, y)
+        if nxt < 0:
+            return 1000 * (time.perf_counter() - t0), visited
+        node, visited = nxt, visited + 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=50)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print("| vocabulary | regime | host ms a step | wait ms a step | nodes visited "
+          "| before: host ms a step (row per node) |")
+    print("|---|---|---|---|---|---|")
+    for vocab in VOCABS:
+        tree, logits, drafts = case(vocab, rng)
+        mx.eval(logits, drafts.q)
+        for name, settings in REGIMES.items():
+            new, old = [], []
+            for i in range(args.repeat + 3):
+                key = mx.random.key(i)
+                got = one_readback(tree, logits, drafts, settings, key)
+                was = row_per_node(tree, logits, settings, rng)
+                if i >= 3:                     # warm-up: first graphs, first allocations
+                    new.append(got)
+                    old.append(was)
+            host, wait, visited = np.median(np.array(new), axis=0)
+            before, old_visited = np.median(np.array(old), axis=0)
+            print(f"| {vocab:,} | {name} | {host:.3f} | {wait:.2f} | {visited:.0f} "
+                  f"| {before:.2f} ({old_visited:.0f} nodes) |")
+
+
+if __name__ == "__main__":
+    main()
