@@ -43,6 +43,7 @@ SANITY_MARKER = "mutation-check sanity: the copy's tree.py is imported"
 
 V, S, T, E, H = ("treegraft_mlx/verify.py", "treegraft_mlx/sampling.py", "treegraft_mlx/tree.py",
                  "treegraft_mlx/decoder.py", "treegraft_mlx/history.py")
+P = "treegraft_mlx/step.py"
 
 
 @dataclass(frozen=True)
@@ -139,18 +140,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "values[1] = p", "pruned subtree keeps the old parent indices"),
     Mutant("treemask-words-floor", T, "words = max(1, -(-rows // 32))",
            "words = max(1, rows // 32)", "bit words rounded down: rows past 32 lose mask bits"),
-    # --- decoder.py: the acceptance / commit path ----------------------------------------------
-    Mutant("commit-keeps-prefix-rows", E, "session.cache.keep(acc.path)",
+    # --- decoder.py and step.py: the acceptance / commit path ----------------------------------------------
+    Mutant("commit-keeps-prefix-rows", P, "session.cache.keep(acc.path)",
            "session.cache.keep(range(len(acc.path)))",
            "wrong cache.keep path: the first len(path) rows kept, not the accepted nodes' rows"),
     Mutant("commit-history-prefix-rows", V, "verdict[path, 1].tolist()",
            "verdict[:len(path), 1].tolist()",
            "the history scores the first rows, not the accepted path's"),
-    Mutant("commit-history-offset", E,
+    Mutant("commit-history-offset", P,
            "history.keep(history.committed, np.array(walked.scores, dtype=np.float32))",
            "history.keep(history.committed + 1, np.array(walked.scores, dtype=np.float32))",
            "the path's scores recorded one position late"),
-    Mutant("ar-step-score-offset", E,
+    Mutant("ar-step-score-offset", P,
            "history.keep(history.committed, self.score.finish(got[1], [token]))",
            "history.keep(history.committed - 1, self.score.finish(got[1], [token]))",
            "an AR step's score recorded one position early"),
@@ -165,19 +166,19 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("history-top10-rule-off-by-one", H,
            "(x > own[:, None]).sum(-1) >= TOP_RANKS", "(x > own[:, None]).sum(-1) > TOP_RANKS",
            "the 11th-ranked token counts as inside the top-10"),
-    Mutant("commit-block-by-index", E, "block = [tree.token[i] for i in acc.path]",
+    Mutant("commit-block-by-index", P, "block = [tree.token[i] for i in acc.path]",
            "block = [tree.token[i] for i in range(len(acc.path))]",
            "committed tokens read by position in the tree, not along the accepted path"),
-    Mutant("accept-and-commit-returns-root", E, "    return following\n",
+    Mutant("accept-and-commit-returns-root", P, "    return following\n",
            "    return block + [acc.bonus]\n",
            "commit (so tree_step and the decoder) also returns the root (already committed)"),
     Mutant("decoder-stats-accepted", E, "stats.accepted = len(step.acceptance.path) - 1",
            "stats.accepted = len(step.acceptance.path)", "accepted drafts counted with the root"),
-    Mutant("decoder-greedy-rule", E,
+    Mutant("decoder-greedy-rule", P,
            "verdict = verify.queue_verdict(logits, settings, seed, drafts, scores)",
            "verdict = verify.queue_verdict(logits, SamplerSettings(), seed, drafts, scores)",
            "the tree step accepts with default (greedy) settings whatever the regime", LOSSLESS),
-    Mutant("decoder-drops-padding", E,
+    Mutant("decoder-drops-padding", P,
            "logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)",
            "logits, hidden = verify_hidden(session.family.target, session.cache, tree, 0, chain)",
            "the chosen padded block size is ignored (performance only, outputs unchanged)"),

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from checkpoints import make_checkpoint, write_tokenizer
 from treegraft_mlx import calibrate as C
 from treegraft_mlx import fixture_path, generate, load
-from treegraft_mlx.decoder import parse_strategy
+from treegraft_mlx.strategy import parse_strategy
 from treegraft_mlx.engine import make_decoder
 from treegraft_mlx.cli import main
 from treegraft_mlx.generate import chat_prompt, encode_prompt

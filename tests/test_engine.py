@@ -16,7 +16,8 @@ from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.bench import first_per_category, read_prompts
 from treegraft_mlx.drafters import ModelDrafter
-from treegraft_mlx.decoder import Decoder, parse_strategy
+from treegraft_mlx.decoder import Decoder
+from treegraft_mlx.strategy import parse_strategy
 from treegraft_mlx.engine import make_decoder, stream_generate
 from treegraft_mlx.session import Session
 from treegraft_mlx.generate import encode_prompt, stream
@@ -269,7 +270,7 @@ def test_commit_records_what_the_target_saw_and_counts_blocks(family):
 
 def test_the_tree_step_returns_what_the_history_gained(family):
     """The step every loop shares returns exactly the tokens appended after the root."""
-    from treegraft_mlx.decoder import tree_step
+    from treegraft_mlx.step import tree_step
     from treegraft_mlx.drafters import Drafters
 
     session = Session(family)

@@ -54,7 +54,7 @@ import numpy as np
 from .bench import machine_info
 from .build import TreeBuild
 from .calibration import play, resume
-from .decoder import VerifiedStep, tree_step
+from .step import VerifiedStep, tree_step
 from .drafters import Drafters
 from .engine import generate
 from .family import Family, TreeConfig

@@ -23,7 +23,7 @@ import numpy as np
 from .acceptance import calibrate_regime, node_features, regime
 from .build import TreeBuild
 from .calibration import play, resume
-from .decoder import VerifiedStep, tree_step
+from .step import VerifiedStep, tree_step
 from .drafters import Drafters
 from .family import Family
 from .sampling import SamplerSettings, target_probs

@@ -10,14 +10,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .decoder import VerifiedStep
+from .step import VerifiedStep
 from .sampling import SamplerSettings
 from .session import Session
 
 
 def play(session: Session, ids: list[int], settings: SamplerSettings, rng: np.random.Generator,
          max_tokens: int, step: Callable[[int], VerifiedStep]) -> None:
-    """Prefill `ids`, then run `step(root)` (build a tree under the root, decoder.tree_step
+    """Prefill `ids`, then run `step(root)` (build a tree under the root, step.tree_step
     it) until `max_tokens` are committed or one of them is EOS: the text follows the
     regime's own trajectory, as decoding's does."""
     root = session.prefill(ids, settings, rng)

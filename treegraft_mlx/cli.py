@@ -241,7 +241,7 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
     chat page at /."""
     from pathlib import Path
 
-    from .decoder import parse_strategy
+    from .strategy import parse_strategy
     from .server import ServerConfig, is_loopback, make_server
 
     try:

@@ -1,38 +1,20 @@
 """The decoding loop: draft tree (drafters) -> size -> verify (target) -> accept -> compact.
 
-Every strategy is a generator of committed token blocks: the prefill's token, then one block
-per target forward (the drafts it accepted and its bonus token), so stopping, streaming and
-statistics are shared (generate.stream). Strategies by name:
-
-  ar                      the target alone
-  chain[:k]               classic speculative decoding: k greedy drafts of the strong
-                          drafter, queued on the device with the verification
-  ngram                   endpoint W: the n-gram drafter builds every layer
-  draft                   endpoint S: the strong drafter's chain, of the length the call
-                          policy measured fastest (CallPolicy; 0 is an AR step), queued on
-                          the device and verified without a readback in between
-  mtp                     the target's MTP head's chain alone, priced as `draft` prices S's
-  treegraft               the shared tree: the n-gram tree and the strong drafter's chain
-                          beside it from the root, of the length the call policy measured
-                          fastest for the n-gram plan's bucket, verified in one forward; on
-                          a target with an MTP head, the head's chain instead of S's
-  treegraft-learned       the paper's schedule: the family's learned scheduler decides which
-                          layers the strong drafter expands with a tree-mask call (its
-                          sampling-calibrated one when sampling, if the bundle has one)
-  treegraft-fixed:1,3     the strong drafter expands exactly layers 1 and 3
+Every strategy (strategy.py) is a generator of committed token blocks: the prefill's token,
+then one block per target forward (the drafts it accepted and its bonus token), so stopping,
+streaming and statistics are shared (generate.stream). A step's forward, acceptance and
+commit live in step.py.
 
 Tree strategies size every step (Sizer, docs/design.md §7): the step verifies the subtree
 its drafts are worth on this device, the root alone being a pipelined AR step. With
 `TreeConfig(adaptive=False)` every step prunes to the fixed budget instead (the paper's way).
-What the sizing and the call policy learn while running (the worth of drafting, of a call) follows
-measured drafting times, so a seeded sampled run can differ between runs (never in its
-distribution); a fixed budget repeats exactly.
+What the sizing and the call policy learn while running (the worth of drafting, of a call)
+follows measured drafting times, so a seeded sampled run can differ between runs (never in
+its distribution); a fixed budget repeats exactly.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 import mlx.core as mx
@@ -40,123 +22,19 @@ import numpy as np
 
 from .build import TreeBuild
 from .drafters import Drafters, QueuedChain
-from .family import TreeConfig
-from .history import History, QueuedScores, queue_scores
+from .history import History
 from .pricing import CallPolicy, Fallback, Sizer
-from .sampling import DeviceDraws, SamplerSettings, sample_token
-from .scheduler import FixedSchedule, LearnedSchedule, Schedule, parse_layers
+from .sampling import DeviceDraws, SamplerSettings
+from .scheduler import FixedSchedule, LearnedSchedule, Schedule
 from .session import Session
+from .step import AR_STEP, ArForward, Queued, StepStats, tree_step
+from .strategy import Strategy, needs_costs, needs_timing, on_target
 from .timing import StepCosts, Timing
-from .tree import SOURCES, STRONG, DraftTree, Plan, Reach, prune, reach
-from . import verify
-from .readback import ints, read_back
-from .verify import Acceptance, verify_hidden
+from .tree import SOURCES, DraftTree, Plan, Reach, prune, reach
+from .verify import Acceptance
 
-DEFAULT_CHAIN_K = 4
 NO_CALLS = FixedSchedule(frozenset())
-# Where `treegraft-learned` may call the strong drafter: layer 1 (the learned scheduler's
-# budget b0 is 1 in both regimes on tg-tiny, and it calls at layer 1 when it calls); without
-# a scheduler, the call is made on every step.
-LEARNED_LAYERS = frozenset({1})
 TARGET = "target"   # the source of a token the target produced itself (Decoder.sources)
-
-
-@dataclass
-class StepStats:
-    """What one target forward after the prefill did: what was built, verified and accepted,
-    and where its time went (the bench's columns and the trace's line)."""
-
-    accepted: int                 # drafts accepted (committed tokens this step - 1)
-    nodes_verified: int
-    nodes_built: int
-    layers: list[str]             # which drafter expanded each layer
-    t_draft: float
-    t_verify: float
-    t_accept: float
-    t_schedule: float = 0.0       # part of t_draft spent deciding (the learned scheduler)
-    rows: int = 1                 # rows the target's forward ran (nodes verified, padded)
-    expected: float = 1.0         # committed tokens the size choice expected (adaptive steps)
-    chain: int = 0                # drafts the strong drafter chained from the root
-
-    def trace(self, step: int) -> str:
-        """One line of the run-time trace (TREEGRAFT_TRACE=1): what the step decided."""
-        if self.nodes_built == 1 and not self.layers and self.t_verify == 0:
-            return f"step {step}: ar"
-        return (f"step {step}: built {self.nodes_built} verified {self.nodes_verified} "
-                f"rows {self.rows} expected {self.expected:.2f} chain {self.chain} "
-                f"accepted {self.accepted} | draft {1000 * self.t_draft:.1f} verify "
-                f"{1000 * self.t_verify:.1f} accept {1000 * self.t_accept:.1f} ms")
-
-
-AR_STEP = StepStats(accepted=0, nodes_verified=1, nodes_built=1, layers=[], t_draft=0.0,
-                    t_verify=0.0, t_accept=0.0)   # a plain AR step (its stats never change)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    kind: str                                   # "ar", "chain" or "tree"
-    combine_layers: frozenset[int] = frozenset()
-    chain_k: int = DEFAULT_CHAIN_K
-    learned: bool = False                       # the family's scheduler, if it has one
-    priced: bool = False                        # call when the estimates say it pays
-    ngram: bool = True                          # the n-gram drafter builds the tree
-    strong_chain: bool = False                  # graft S's greedy chain from the root
-    mtp_chain: bool = False                     # graft the target's MTP head's chain instead
-
-    @property
-    def ngram_only(self) -> bool:
-        """Whether every draft comes from the n-gram drafter."""
-        return (self.kind == "tree" and self.ngram and not self.needs_strong
-                and not self.mtp_chain)
-
-    @property
-    def scores_history(self) -> bool:
-        """Whether its trees hold n-gram drafts, whose estimates read the target's scores of
-        the committed text (History): other strategies skip scoring, as `ar` does."""
-        return self.kind == "tree" and self.ngram
-
-    @property
-    def needs_strong(self) -> bool:
-        return self.kind == "chain" or (self.kind == "tree" and
-                                        (bool(self.combine_layers) or self.learned
-                                         or self.strong_chain))
-
-
-STRATEGY_NAMES = ("ar", "chain", "ngram", "draft", "mtp", "treegraft", "treegraft-learned",
-                  "treegraft-fixed:<layers>")
-
-
-def parse_strategy(name: str, depth: int = 5) -> Strategy:
-    if name == "ar":
-        return Strategy(name, "ar")
-    if name == "chain" or name.startswith("chain:"):
-        k = int(name.split(":", 1)[1]) if ":" in name else DEFAULT_CHAIN_K
-        if k < 1:
-            raise ValueError(f"chain length must be >= 1, got {k}")
-        return Strategy(name, "chain", chain_k=k)
-    if name == "ngram":
-        return Strategy(name, "tree")
-    if name == "draft":
-        return Strategy(name, "tree", ngram=False, strong_chain=True, priced=True)
-    if name == "mtp":
-        return Strategy(name, "tree", ngram=False, mtp_chain=True, priced=True)
-    if name == "treegraft":
-        return Strategy(name, "tree", strong_chain=True, priced=True)
-    if name == "treegraft-learned":
-        return Strategy(name, "tree", LEARNED_LAYERS, learned=True)
-    if name.startswith("treegraft-fixed:"):
-        return Strategy(name, "tree", parse_layers(name.split(":", 1)[1]))
-    raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
-
-
-def on_target(strategy: Strategy, has_mtp: bool) -> Strategy:
-    """The strategy as it runs on a target: `treegraft` grafts the target's MTP head's chain
-    where the target ships one (one decoder layer reading the target's own hidden state, far
-    cheaper than a small LM's forward) instead of the strong drafter's (docs/design.md §19)."""
-    if strategy.name == "treegraft" and has_mtp:
-        return replace(strategy, strong_chain=False, mtp_chain=True)
-    return strategy
 
 
 class Decoder:
@@ -275,20 +153,11 @@ class Decoder:
         return self.session.history if self.strategy.scores_history else None
 
     def _ar_steps(self, root: int) -> Iterator[list[int]]:
-        """One committed token per target forward, pipelined like mlx_lm: the next forward is
-        queued (async_eval) before the current token is read back. The prefill's token goes
-        out first: on MLX's CPU backend queuing a forward runs much of it, which the time to
-        first token would otherwise pay."""
-        history, forward = self.session.history, self._forward()
-        yield self._by_target(root)          # out before any forward is queued: first token
-        queued = forward(mx.array(root))
-        while True:
-            after = forward(queued.token)
-            nxt = queued.read()
-            history.extend([nxt])
-            self._record(AR_STEP)
-            yield self._by_target(nxt)
-            queued = after
+        """`ar`: the prefill's token, out before any forward is queued (on MLX's CPU backend
+        queuing a forward runs much of it, which the time to first token would otherwise
+        pay), then AR steps without end."""
+        yield self._by_target(root)
+        yield from self._pipelined(root, self._forward(), None, None)
 
     def _build(self, root: int, history: History) -> "TreeBuild":
         cfg = self.session.tree
@@ -312,11 +181,10 @@ class Decoder:
                      if self.strategy.kind == "chain" else None)
             k = len(chain) if chain is not None else 0
             rows = self.session.tree.rows_for(len(tree) + k)
-            block, acc = self._verify(tree, rows, StepStats(
-                accepted=0, nodes_verified=len(tree) + k, nodes_built=len(build.tree) + k,
-                layers=build.used, t_draft=self.clock() - t0, t_verify=0.0, t_accept=0.0,
-                t_schedule=build.t_schedule, rows=rows, expected=0.0, chain=build.chain + k),
-                chain)
+            block, acc = self._verify(tree, rows, chain, nodes_built=len(build.tree) + k,
+                                      layers=build.used, t_draft=self.clock() - t0,
+                                      t_schedule=build.t_schedule, expected=0.0,
+                                      chained=build.chain)
             yield block
             root = acc.bonus
 
@@ -337,7 +205,7 @@ class Decoder:
             if carried is None and fallback is not None and (n := fallback.next_stretch()):
                 if self.trace is not None:
                     self.trace(f"stretch of {n} AR steps")
-                root, queued = yield from self._ar_stretch(root, forward, queued, n)
+                root, queued = yield from self._pipelined(root, forward, queued, n)
                 continue
             t0 = self.clock()
             looping = self.session.ngram.index.repeats(history.tokens)   # Fallback.loop_pays
@@ -368,10 +236,9 @@ class Decoder:
             if queued is None and (len(plan.keep) > 1 or k):
                 tree = full.subtree(plan.keep)
                 rows = self.sizer.costs.rows_for(len(tree) + k)
-                block, acc = self._verify(tree, rows, StepStats(
-                    accepted=0, nodes_verified=len(tree) + k, nodes_built=len(full) + k,
-                    layers=used, t_draft=t1 - t0, t_verify=0.0, t_accept=0.0,
-                    t_schedule=t_schedule, rows=rows, expected=plan.expected, chain=k), chain)
+                block, acc = self._verify(tree, rows, chain, nodes_built=len(full) + k,
+                                          layers=used, t_draft=t1 - t0, t_schedule=t_schedule,
+                                          expected=plan.expected)
                 self._learn(choice, block, t0, looping,
                             reach(tree, len(tree) - k, block) if k else None)
                 yield block
@@ -417,37 +284,41 @@ class Decoder:
         if choice is not None:
             self.calls.observe(*choice, len(block), ms, matched, timed)
 
-    def _ar_stretch(self, root: int, forward: "ArForward", queued: Optional["Queued"],
-                    steps: int) -> Iterator[list[int]]:
-        """`steps` tokens decoded as `ar` decodes them (Fallback): no drafting, no readback but
-        the token. Each row's score is deferred (History.defer) until a drafter reads
-        it. Continues a `queued` forward of `root`, if any. Ends early where the text starts
-        to loop (its last n_max tokens occurred before: n-gram drafts may pay again). Returns
-        the new root and its forward, already in flight: the next step, a stretch or a tree
-        step, continues it, so no stretch ends in an idle device (measured: 38 stretches in
-        8 sampled generations)."""
-        history, done, busy = self.session.history, 0, 0.0
-        index = self.session.ngram.index
+    def _pipelined(self, root: int, forward: ArForward, queued: Optional[Queued],
+                   steps: Optional[int]) -> Iterator[list[int]]:
+        """Up to `steps` AR steps (None: without end), pipelined like mlx_lm: the next
+        forward is queued (async_eval) before the current token is read back, with its score
+        where the history is scored (one wait a step). Continues a `queued` forward of
+        `root`, if any. Returns the new root and its forward, already in flight, so no run
+        ends in an idle device (measured: 38 stretches in 8 sampled generations).
+
+        Inside a tree strategy this is a plain stretch (Fallback): it ends early where the
+        text starts to loop (its last n_max tokens occurred before: n-gram drafts may pay
+        again), the n-gram drafter's guess is checked against each token meanwhile
+        (Fallback.observe_shadow), and what ran is measured, also when the caller stops
+        inside it."""
+        history, fallback, index = self.session.history, self.fallback, self.session.ngram.index
+        done, busy, t0 = 0, 0.0, self.clock()
         self._since = None
         try:
-            t0 = self.clock()
             queued = queued or forward(mx.array(root))
-            for i in range(steps):
+            while steps is None or done < steps:
                 after = forward(queued.token)
-                guess = index.guess(history.tokens)     # made while the forward runs
+                guess = index.guess(history.tokens) if fallback else None   # while it runs
                 nxt = queued.read(self._scored)
-                self.fallback.observe_shadow(guess == nxt)
                 history.extend([nxt])
-                self.drafters.observe(history, 1)
+                if fallback is not None:
+                    fallback.observe_shadow(guess == nxt)
+                    self.drafters.observe(history, 1)
                 self._record(AR_STEP)
                 done, busy = done + 1, self.clock() - t0   # the caller's time included
                 yield self._by_target(nxt)
                 queued = after
-                if index.repeats(history.tokens) and self.fallback.loop_pays():
+                if fallback and index.repeats(history.tokens) and fallback.loop_pays():
                     break           # the text loops: drafts may pay again; probe the tree
-        finally:        # what ran is measured, also when the caller stops inside the stretch
-            if done:
-                self.fallback.observe_ar(done, 1000 * busy)
+        finally:
+            if done and fallback is not None:
+                fallback.observe_ar(done, 1000 * busy)
         return history.root, queued
 
     def _calls_next(self) -> bool:
@@ -491,125 +362,21 @@ class Decoder:
         choice = (bucket, len(chain) if chain is not None else 0)
         return build, plan, choice if steady or chain is None else None, chain
 
-    def _verify(self, tree: DraftTree, rows: int, stats: StepStats,
-                chain: Optional[QueuedChain] = None) -> tuple[list[int], Acceptance]:
+    def _verify(self, tree: DraftTree, rows: int, chain: Optional[QueuedChain],
+                **stats) -> tuple[list[int], Acceptance]:
         """Verify `tree` (and a `chain` queued beside it) in one forward of `rows` rows,
-        accept, commit (tree_step); completes `stats`. Returns the committed tokens after the
-        root (accepted drafts, then the bonus)."""
+        accept, commit (tree_step), and record the step's StepStats (`stats`: what the build
+        knew; `chained`: drafts a chain grafted into the tree itself). Returns the committed tokens after the root (accepted drafts, then the
+        bonus)."""
         step = tree_step(self.session, self.drafters, tree, rows, self.settings, self.rng,
                          self.clock, chain, self.strategy.scores_history)
-        stats.accepted = len(step.acceptance.path) - 1
+        chained = stats.pop("chained", 0) + (len(chain) if chain is not None else 0)
         drafted = step.acceptance.path[1:]
         self.sources += [SOURCES[tree.drafted_by[v]] for v in drafted] + [TARGET]
-        stats.t_verify, stats.t_accept = step.t_verify, step.t_accept
-        self._record(stats)
+        self._record(StepStats(accepted=len(drafted), nodes_verified=len(tree), rows=rows,
+                               t_verify=step.t_verify, t_accept=step.t_accept,
+                               chain=chained, **stats))
         return step.block, step.acceptance
-
-
-@dataclass
-class Queued:
-    """A target forward of one token, queued: its next token (lazy) and, where the history
-    is scored, that token's score after this row (queued: history.queue_scores)."""
-
-    token: mx.array
-    score: Optional[QueuedScores] = None
-
-    def read(self, history: Optional[History] = None) -> int:
-        """The next token, in one wait. With `history` (a scored one), the same readback
-        carries the row's score, kept at the root's position, and the history's queued
-        prefetches."""
-        if history is None or self.score is None:
-            return int(self.token.item())
-        got = read_back(self.token, self.score.part, *history.pending())
-        history.collect(got[2:])
-        token = ints(got[0])[0]
-        history.keep(history.committed, self.score.finish(got[1], [token]))
-        return token
-
-
-class ArForward:
-    """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
-    or the processed distribution with the next key) and, where `scores`, the history's score
-    of it from the same logits row, all evaluated asynchronously, so the host can queue the
-    following forward or draft while it runs. The token's hidden state goes to `saw`
-    (Session.saw: an MTP head drafts from it)."""
-
-    def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
-                 saw: Callable[[int, mx.array], None], scores: bool = False):
-        self.target, self.cache, self.settings, self.key = target, cache, settings, key
-        self.saw, self.scores = saw, scores
-
-    def __call__(self, token: mx.array) -> Queued:
-        target, tokens = self.target, token.reshape(1, 1)
-        if hasattr(target, "run_layers"):
-            hidden = target.run_layers(target.embed(tokens), self.cache)[0]
-            logits = target.head(hidden[None])[0, -1]
-            self.saw(self.cache.offset, hidden)
-        else:
-            logits = target(tokens, cache=self.cache)[0, -1]
-        self.cache.commit()
-        self.key, sub = mx.random.split(self.key)
-        nxt = sample_token(logits, self.settings, sub)
-        score = queue_scores(logits[None], nxt.reshape(1)) if self.scores else None
-        mx.async_eval(nxt, *([] if score is None else [score.part]))
-        return Queued(nxt, score)
-
-
-def commit(session: Session, drafters: Drafters, tree: DraftTree, walked: verify.Walked,
-           hidden: Optional[mx.array] = None, scores: bool = True) -> list[int]:
-    """Commit the accepted path: compact the target cache, hand the path's `hidden` states
-    (if the target exposed them) to the session, keep the path's scores (where `scores`:
-    they came back with the step's verdict), extend the history and tell the drafters.
-    Returns what the history gained: the accepted drafts, then the bonus."""
-    history, acc = session.history, walked.acceptance
-    session.cache.keep(acc.path)
-    if hidden is not None:
-        session.saw(history.committed, hidden, acc.path)
-    block = [tree.token[i] for i in acc.path]
-    following = block[1:] + [acc.bonus]
-    if scores:
-        history.keep(history.committed, np.array(walked.scores, dtype=np.float32))
-    history.extend(following)
-    drafters.observe(history, len(block))
-    return following
-
-
-@dataclass
-class VerifiedStep:
-    """One tree step after its forward: what it committed and how long each part took."""
-
-    block: list[int]              # committed after the root: accepted drafts, then the bonus
-    acceptance: Acceptance
-    logits: mx.array              # the target's logits of every verified row
-    t_verify: float
-    t_accept: float
-
-
-def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
-              settings: SamplerSettings, rng: np.random.Generator,
-              clock: Callable[[], float] = time.perf_counter,
-              chain: Optional[QueuedChain] = None, scores: bool = True) -> VerifiedStep:
-    """The step every loop shares (decoding and both calibrations): verify `tree` in one
-    forward of `rows` rows, accept by the regime's rule, commit (keeping the path's scores
-    where `scores`). The host waits once: the verdict of every row (verify.queue_verdict),
-    a `chain` queued on the device beside the tree (verified in the same forward, as a
-    branch from the root) and the history's queued prefetches come back in one readback;
-    then the chain joins `tree` (DraftTree.append_chain) and the host walks it."""
-    t0 = clock()
-    history, n_tree = session.history, len(tree)
-    logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)
-    seed = None if settings.greedy else int(rng.integers(2**31))
-    drafts = verify.SampledDrafts.of_chain(chain, n_tree)
-    verdict = verify.queue_verdict(logits, settings, seed, drafts, scores)
-    parts = [*verdict.parts] + ([chain.tokens] if chain is not None else [])
-    got = read_back(*parts, *history.pending())
-    history.collect(got[len(parts):])
-    if chain is not None:
-        tree.append_chain(ints(got[len(parts) - 1]), STRONG, drawn=drafts is not None)
-    t1 = clock()
-    walked = verify.walk(tree, verdict.finish(got[:len(verdict.parts)]), settings)
-    block = commit(session, drafters, tree, walked, hidden, scores)
-    return VerifiedStep(block, walked.acceptance, logits, t1 - t0, clock() - t1)
 
 
 def strong_model(session: Session):
@@ -617,14 +384,3 @@ def strong_model(session: Session):
     return session.strong.model if session.strong is not None else None
 
 
-def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:
-    """Whether decoding `strategy` sizes its steps, and so needs this device's step costs."""
-    return strategy.kind == "tree" and tree.adaptive
-
-
-def needs_timing(strategy: Strategy, session: Session, settings: SamplerSettings,
-                 schedule: Optional[Schedule]) -> bool:
-    """Whether decoding runs the family's learned scheduler (no schedule given, and one for
-    the regime exists), and so needs this device's T_tgt / T_mid."""
-    return (schedule is None and strategy.learned
-            and session.family.scheduler(not settings.greedy) is not None)

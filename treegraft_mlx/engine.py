@@ -18,7 +18,9 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from . import device, probe
-from .decoder import Decoder, StepStats, Strategy, needs_costs, needs_timing, parse_strategy
+from .decoder import Decoder
+from .step import StepStats
+from .strategy import Strategy, needs_costs, needs_timing, parse_strategy
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
 from .hub import resolve_path

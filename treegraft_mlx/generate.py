@@ -66,7 +66,7 @@ class Response:
     generation_tps: float
     finish_reason: Optional[str] = None
     step_sizes: list[int] = field(default_factory=list)
-    step_stats: list = field(default_factory=list)    # decoder.StepStats per step so far
+    step_stats: list = field(default_factory=list)    # step.StepStats per step so far
     drafter_calls: int = 0                            # strong-drafter forwards so far
     # (text, source) runs that make up `text`: where its tokens came from (stream's `origin`)
     provenance: list[tuple[str, str]] = field(default_factory=list)

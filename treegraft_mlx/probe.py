@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from . import device
-from .decoder import Decoder, parse_strategy
+from .decoder import Decoder
+from .strategy import parse_strategy
 from .family import Family, TreeConfig
 from .generate import Response, encode_prompt, stream
 from .sampling import SamplerSettings

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-from .decoder import STRATEGY_NAMES, parse_strategy
+from .strategy import STRATEGY_NAMES, parse_strategy
 from .engine import stream_generate
 from .family import Family
 from .generate import Response, chat_prompt, summary
