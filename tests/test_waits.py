@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from scripted import deterministic
-from treegraft_mlx import fixture_path, load, probe
+from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import history as history_module
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.engine import stream_generate
@@ -115,3 +115,27 @@ def test_every_readback_entry_point_is_counted():
     assert waits.count == 8
     assert waits.nbytes == 4 + 16 + 4 + 4 + 4 + 16 + 16
     assert mx.eval.__name__ == "eval" and np.array.__name__ == "array"   # restored
+
+
+def test_greedy_output_is_ar_s_in_both_placements(family, placement):
+    """The verdict's two placements give the same greedy output, `ar`'s, scores included
+    (the n-gram drafter reads them back: a wrong score changes its trees, not the output,
+    so the history itself is compared too)."""
+    from treegraft_mlx.session import Session
+
+    want = generate(family, PROMPT, "ar", max_tokens=24).token_ids
+    scored = {}
+    for strategy in ("ngram", "draft", "treegraft"):
+        session = Session(family)
+        got = generate(family, PROMPT, strategy, max_tokens=24, session=session)
+        assert got.token_ids == want, strategy
+        history = session.history
+        scored[strategy] = history.lp[len(family.tokenizer.encode(PROMPT)):history.committed]
+    reference = family.target(mx.array([family.tokenizer.encode(PROMPT) + want]))[0]
+    n = len(family.tokenizer.encode(PROMPT))
+    x = np.array(reference[n:n + len(want) - 1], dtype=np.float64)
+    lp = x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
+    expected = lp[np.arange(len(want) - 1), want[1:]]
+    for strategy in ("ngram", "treegraft"):
+        got = scored[strategy][:len(expected)]
+        assert np.isfinite(got).all() and np.allclose(got, expected, atol=1e-3), strategy

@@ -171,28 +171,63 @@ def device_table(logits: mx.array, settings: SamplerSettings, seed: Optional[int
 
 
 def host_table(values: list[np.ndarray], rows: int, settings: SamplerSettings,
-               seed: Optional[int], drafted: list[int], scores: bool) -> np.ndarray:
+               seed: Optional[int], drafted: list[int], scores: bool):
     """queue_verdict's table in numpy, from the rows read back (then q and the sampled
-    drafts' tokens, where `drafted` names their rows): (R, F) float64."""
+    drafts' tokens, where `drafted` names their rows). Greedy: every row at once, (R, 2).
+    Sampled: each row computed when the walk first reads it (HostRows), since the filters
+    cost a pass over the vocabulary a row and the walk visits a few."""
     x = values[0].reshape(rows, -1)
     if settings.greedy:
         best = x.argmax(axis=-1)
         score = x.max(axis=-1) - host_logsumexp(x) if scores else np.zeros(rows)
         return np.stack([best, score], axis=1)
-    rng = np.random.default_rng(seed)
-    dist = [host_probs(row, settings) for row in x]
-    took, child = np.zeros(rows), np.zeros(rows, dtype=np.int64)
-    if drafted:
-        q = values[1].reshape(len(drafted), -1).astype(np.float64)
-        for i, (r, token) in enumerate(zip(drafted, values[2].astype(np.int64))):
-            child[r] = token
-            took[r] = rng.random() * q[i, token] < dist[r][token]
-            if not took[r]:
-                dist[r] = residual(dist[r], q[i])
-    y = np.array([draw(d, rng) for d in dist])
-    zero = np.zeros(rows)
-    return np.stack([y, took, host_followed_logprobs(x, y) if scores else zero,
-                     host_followed_logprobs(x, child) if scores else zero], axis=1)
+    q = values[1].reshape(len(drafted), -1) if drafted else None
+    tokens = values[2].astype(np.int64) if drafted else None
+    which = {r: i for i, r in enumerate(drafted)}
+
+    def row(r: int) -> np.ndarray:
+        """Row r's fields; its draws come from its own generator (seed, r), so they do not
+        depend on the order the walk reads rows in."""
+        rng, dist = np.random.default_rng([seed, r]), host_probs(x[r], settings)
+        took, child = 0.0, 0
+        if r in which:
+            qr, child = q[which[r]].astype(np.float64), int(tokens[which[r]])
+            took = float(rng.random() * qr[child] < dist[child])
+            dist = dist if took else residual(dist, qr)
+        y = draw(dist, rng)
+        if not scores:
+            return np.array([y, took, 0.0, 0.0])
+        own = host_followed_logprobs(x[r:r + 1].repeat(2, 0), np.array([y, child]))
+        return np.array([y, took, own[0], own[1]])
+
+    return HostRows(row, rows)
+
+
+class HostRows:
+    """A sampled verdict's table whose rows are computed on first read: indexed and copied
+    as the (R, 4) array it stands for."""
+
+    def __init__(self, row: Callable[[int], np.ndarray], rows: int):
+        self._row, self._rows = row, [None] * rows
+
+    def _get(self, r: int) -> np.ndarray:
+        if self._rows[r] is None:
+            self._rows[r] = self._row(r)
+        return self._rows[r]
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, at: tuple[int, int]) -> float:
+        return self._get(at[0])[at[1]]
+
+    def __setitem__(self, at: tuple[int, int], value: float) -> None:
+        self._get(at[0])[at[1]] = value
+
+    def copy(self) -> "HostRows":
+        out = HostRows(self._row, len(self))
+        out._rows = [None if r is None else r.copy() for r in self._rows]
+        return out
 
 
 def residual(p, q):
