@@ -94,10 +94,21 @@ def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings
                  trace: Optional[Callable[[str], None]] = None) -> Decoder:
     """A decoder with what this device measured that the strategy needs (probe.py)."""
     family, tree = session.family, session.tree
+    strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
     costs = probe.step_costs(family, tree) if needs_costs(strategy, tree) else None
     timing = (probe.scheduler_timing(family, tree)
               if needs_timing(strategy, session, settings, schedule) else None)
     return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
+
+
+def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
+    """The strategy as a family with (or without) a strong drafter and an MTP head runs it:
+    `treegraft` is the shared tree of the drafters the family has, so on a family with
+    neither (`--draft-model none`) it is the n-gram tree alone, as `ngram` builds it. Every
+    other strategy runs as named: one that needs a drafter the family lacks is refused."""
+    if strategy.name == "treegraft" and not (has_strong or has_mtp):
+        return dataclasses.replace(strategy, strong_chain=False, priced=False)
+    return strategy
 
 
 def tracing(trace: Optional[bool]) -> Optional[Callable[[str], None]]:
