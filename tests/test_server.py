@@ -430,7 +430,7 @@ def test_config_reports_the_servers_defaults_and_strategies(server):
     each of which the server runs."""
     status, _, payload = request(server, "GET", "/treegraft/config")
     assert status == 200 and json.loads(payload) == {
-        "model": "tg-tiny", "strategy": "treegraft",
+        "model": "tg-tiny", "note": None, "strategy": "treegraft",
         "strategies": ["ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned"],
         "max_tokens": LIMIT, "max_tokens_limit": LIMIT, "temperature": 0.0, "top_p": 1.0,
         "api_key_required": False}
