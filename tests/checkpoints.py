@@ -152,7 +152,8 @@ def make_hybrid(dest: Path, layers: int, *, hidden: int = 96, inter: int = 192, 
                   a + "o_proj.weight": w(hidden, heads * head_dim, scale=out),
                   a + "q_norm.weight": w(head_dim, scale=0.2, centre=1.0),
                   a + "k_norm.weight": w(head_dim, scale=0.2, centre=1.0)}
-        t |= {p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+        t |= {p + "mlp.gate_proj.weight": w(inter, hidden),
+              p + "mlp.up_proj.weight": w(inter, hidden),
               p + "mlp.down_proj.weight": w(hidden, inter, scale=out),
               p + "input_layernorm.weight": w(hidden, scale=0.2, centre=1.0),
               p + "post_attention_layernorm.weight": w(hidden, scale=0.2, centre=1.0)}

@@ -101,16 +101,6 @@ def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings
     return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
 
 
-def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
-    """The strategy as a family with (or without) a strong drafter and an MTP head runs it:
-    `treegraft` is the shared tree of the drafters the family has, so on a family with
-    neither (`--draft-model none`) it is the n-gram tree alone, as `ngram` builds it. Every
-    other strategy runs as named: one that needs a drafter the family lacks is refused."""
-    if strategy.name == "treegraft" and not (has_strong or has_mtp):
-        return dataclasses.replace(strategy, strong_chain=False, priced=False)
-    return strategy
-
-
 def tracing(trace: Optional[bool]) -> Optional[Callable[[str], None]]:
     """Where trace lines go: stderr when asked (or TREEGRAFT_TRACE=1), else nowhere."""
     on = os.environ.get("TREEGRAFT_TRACE", "") not in ("", "0") if trace is None else trace
@@ -165,3 +155,13 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
         if family.strong is not None:
             probe.scheduler_timing(family, family.tree)
     return family
+
+
+def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
+    """The strategy as a family with (or without) a strong drafter and an MTP head runs it:
+    `treegraft` is the shared tree of the drafters the family has, so on a family with
+    neither (`--draft-model none`) it is the n-gram tree alone, as `ngram` builds it. Every
+    other strategy runs as named: one that needs a drafter the family lacks is refused."""
+    if strategy.name == "treegraft" and not (has_strong or has_mtp):
+        return dataclasses.replace(strategy, strong_chain=False, priced=False)
+    return strategy
