@@ -130,9 +130,9 @@ def refuse_without_drafter(strategy: str, target, drafters) -> None:
 def say_if_test_model(family, command: str) -> Optional[str]:
     """One stderr line when the family is a bundled test model (what it writes is noise):
     which, and the command that runs a real model. Returns the line (serve's page shows it)."""
-    from .fixtures import test_model_note
+    from .fixtures import bundled_model_note
 
-    note = test_model_note(family.model_paths.get("target"), command)
+    note = bundled_model_note(family.model_paths.get("target"), command)
     if note:
         click.echo(note, err=True)
     return note

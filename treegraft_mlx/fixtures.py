@@ -24,7 +24,7 @@ def family_manifest(path: Path) -> dict:
     return json.loads((Path(path) / "treegraft.json").read_text())
 
 
-def test_model_note(path: Optional[Union[str, Path]], command: str) -> Optional[str]:
+def bundled_model_note(path: Optional[Union[str, Path]], command: str) -> Optional[str]:
     """For a model inside a bundled family: one line saying it is a small test model (its
     text is noise, which a new user could not tell from a broken install) and the `treegraft
     <command>` that runs a real one; None for any other model."""
