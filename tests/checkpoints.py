@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -89,3 +90,103 @@ def make_checkpoint(dest: Path, model_type: str = "llama", *, hidden: int = 64, 
         config["rope_scaling"] = rope_scaling
     (dest / "config.json").write_text(json.dumps(config))
     return dest
+
+
+FIXTURE_TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_fixture_tokenizer(dest: Path) -> int:
+    """The bundled tg-tiny tokenizer's files beside a checkpoint; returns its vocabulary size."""
+    import shutil
+
+    from treegraft_mlx import fixture_path
+
+    src = fixture_path() / "target"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in FIXTURE_TOKENIZER:
+        shutil.copy(src / name, dest / name)
+    return len(json.loads((src / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def default_layer_types(layers: int) -> list[str]:
+    """What transformers' Qwen3_5TextConfig writes for `layers` layers by default: full
+    attention every 4th layer, Gated DeltaNet elsewhere (2 layers: no full attention at all)."""
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+
+
+def make_hybrid(dest: Path, layers: int, *, hidden: int = 96, inter: int = 192, seed: int = 0,
+                damp_from: Optional[int] = None) -> Path:
+    """A random dense Qwen 3.5 text checkpoint (`qwen3_5_text` with transformers' default
+    layer types, its names and shapes, norms stored around 1) with the bundled tokenizer.
+    Layers from `damp_from` on write 1/20 of what they would into the residual stream, so a
+    drafter of the layers before them guesses the target's next token often, not always."""
+    layer_types = default_layer_types(layers)
+    vocab = copy_fixture_tokenizer(dest)
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, head_dim, kernel = 4, 2, 16, 4
+    k_heads, v_heads, dk, dv = 2, 4, 8, 12
+    conv_dim, value_dim = 2 * k_heads * dk + v_heads * dv, v_heads * dv
+
+    def w(*shape, scale=0.15, centre=0.0):
+        return (centre + scale * rng.standard_normal(shape)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden),
+         "model.norm.weight": w(hidden, scale=0.2, centre=1.0)}
+    for i, kind in enumerate(layer_types):
+        p, out = f"model.layers.{i}.", 0.15 if damp_from is None or i < damp_from else 0.0075
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            t |= {a + "A_log": w(v_heads, scale=0.05, centre=-0.1), a + "dt_bias": w(v_heads),
+                  a + "conv1d.weight": w(conv_dim, 1, kernel),
+                  a + "in_proj_a.weight": w(v_heads, hidden),
+                  a + "in_proj_b.weight": w(v_heads, hidden),
+                  a + "in_proj_qkv.weight": w(conv_dim, hidden),
+                  a + "in_proj_z.weight": w(value_dim, hidden),
+                  a + "norm.weight": w(dv, scale=0.2, centre=1.0),
+                  a + "out_proj.weight": w(hidden, value_dim, scale=out)}
+        else:
+            a = p + "self_attn."
+            t |= {a + "q_proj.weight": w(2 * heads * head_dim, hidden),    # query and gate
+                  a + "k_proj.weight": w(kv_heads * head_dim, hidden),
+                  a + "v_proj.weight": w(kv_heads * head_dim, hidden),
+                  a + "o_proj.weight": w(hidden, heads * head_dim, scale=out),
+                  a + "q_norm.weight": w(head_dim, scale=0.2, centre=1.0),
+                  a + "k_norm.weight": w(head_dim, scale=0.2, centre=1.0)}
+        t |= {p + "mlp.gate_proj.weight": w(inter, hidden),
+              p + "mlp.up_proj.weight": w(inter, hidden),
+              p + "mlp.down_proj.weight": w(hidden, inter, scale=out),
+              p + "input_layernorm.weight": w(hidden, scale=0.2, centre=1.0),
+              p + "post_attention_layernorm.weight": w(hidden, scale=0.2, centre=1.0)}
+    save_file(t, str(dest / "model.safetensors"))
+    config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+              "hidden_size": hidden, "intermediate_size": inter, "hidden_act": "silu",
+              "num_hidden_layers": layers, "layer_types": layer_types,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+              "head_dim": head_dim, "linear_conv_kernel_dim": kernel,
+              "linear_num_key_heads": k_heads, "linear_num_value_heads": v_heads,
+              "linear_key_head_dim": dk, "linear_value_head_dim": dv, "vocab_size": vocab,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                  "partial_rotary_factor": 0.5},
+              "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 0,
+              "eos_token_id": 1, "pad_token_id": 2, "dtype": "float32"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def make_hybrid_pair(root: Path) -> tuple[Path, Path]:
+    """A Qwen 3.5 target of 6 layers and its drafter of 2 (both in transformers' default
+    layer types: the drafter has no full-attention layer), the drafter's weights the target's
+    own first layers, embedding, norm and head (the target's later layers damped)."""
+    from safetensors.numpy import load_file
+
+    target = make_hybrid(root / "target", 6, damp_from=2)
+    drafter = root / "drafter"
+    copy_fixture_tokenizer(drafter)
+    weights = {k: v for k, v in load_file(target / "model.safetensors").items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < 2}
+    save_file(weights, str(drafter / "model.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    config.update(num_hidden_layers=2, layer_types=default_layer_types(2))
+    (drafter / "config.json").write_text(json.dumps(config, indent=2))
+    return target, drafter

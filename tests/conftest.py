@@ -11,6 +11,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="treegraft-test-hf-")
 
 import treegraft_mlx  # noqa: F401  first: it loads the system OpenBLAS before mlx (blas.py)
+from treegraft_mlx import probe as _probe  # noqa: E402
+
+REAL_MEASURE_TIMING = _probe.measure_timing    # before _scripted_costs replaces it
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -47,6 +50,14 @@ def _private_timing_cache(tmp_path_factory):
 
     os.environ["TREEGRAFT_CACHE"] = str(tmp_path_factory.mktemp("timing-cache"))
 
+
+
+@pytest.fixture
+def measured_timing(monkeypatch, tmp_path):
+    """The real T_tgt / T_mid probe (probe.measure_timing), into an empty timing cache, for
+    the tests whose subject is what it measures (the step costs stay scripted)."""
+    monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path / "timing-cache"))
+    monkeypatch.setattr(_probe, "measure_timing", REAL_MEASURE_TIMING)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -11,6 +11,18 @@ from typing import Iterator, Optional
 from treegraft_mlx.server import ServerConfig, make_server
 
 
+class IdleServer:
+    """What `serve` gets from make_server where a test only runs the command: returns at once."""
+
+    server_port = 8080
+
+    def serve_forever(self) -> None:
+        pass
+
+    def server_close(self) -> None:
+        pass
+
+
 @contextmanager
 def running(family, **config) -> Iterator:
     """A server with this ServerConfig, serving from a thread on a free loopback port."""

@@ -128,9 +128,12 @@ def api_reply(served, conversation: list[dict], strategy: str, max_tokens: int) 
 def test_a_two_turn_chat_streams_coloured_answers_and_regenerates(browser, served, tmp_path):
     """Each turn streams the answer the API gives for the whole conversation, its text
     coloured by provenance (the n-gram drafter's accepted drafts and the target's own tokens
-    on repetitive text), with the figures after it; regenerate gives the same greedy answer."""
+    on repetitive text), with the figures after it; regenerate gives the same greedy answer.
+    The header says the bundled family is a small test model."""
     open_page(browser, served.url)
     assert browser.find_element(By.ID, "strategy-default").text == "server default: treegraft"
+    note = browser.find_element(By.ID, "model-note").text       # beside the model's name
+    assert "test model" in note and "--model mlx-community/Qwen3-8B-4bit" in note
     ask(browser, REPETITIVE, "ngram", 48)
     figures = answered(browser, 0)
     assert re.search(r"tokens/s · [\d.]+ tokens per target forward · \d+ drafter calls · "

@@ -8,7 +8,12 @@ import pytest
 from click.testing import CliRunner
 
 from checkpoints import make_checkpoint, write_tokenizer
+from scripted import scripted_step_costs
+from serving import IdleServer
 from treegraft_mlx import calibrate as C
+from treegraft_mlx import family as F
+from treegraft_mlx import probe
+from treegraft_mlx import server as server_mod
 from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx.strategy import parse_strategy
 from treegraft_mlx.engine import make_decoder
@@ -275,3 +280,71 @@ def test_calibrate_acceptance_writes_both_regimes_and_resumes(tmp_path):
     from treegraft_mlx.acceptance import AcceptanceModel
 
     assert AcceptanceModel.load(bundle / "acceptance.json").calibrated
+
+
+NO_DRAFTER = ("--model", str(fixture_path() / "target"), "--draft-model", "none")
+# What each generating command needs besides its options to run once and end.
+ONCE = {"generate": dict(args=("--prompt", "def add(a, b):", "--max-tokens", "4")),
+        "chat": dict(input="def add(a, b):\n/quit\n"), "serve": dict()}
+
+
+def run_once(command: str, *args):
+    """`command` with `args`, run once to its end (`serve` returns as soon as it would
+    serve)."""
+    return run(command, *args, *ONCE[command].get("args", ()), input=ONCE[command].get("input"))
+
+
+def test_draft_model_none_runs_treegraft_as_the_ngram_tree():
+    """`--draft-model none` and the default strategy: `generate` runs `treegraft` on the
+    n-gram tree (no drafter call), gives `ar`'s tokens, and one stderr line says the n-gram
+    drafter serves alone; `chat` answers two turns as `ar` does."""
+    args = (*NO_DRAFTER, "--prompt", "def add(a, b):", "--max-tokens", "8", "--json")
+    r = run("generate", *args)
+    assert r.exit_code == 0, r.output
+    assert [line for line in r.stderr.splitlines() if "n-gram" in line] == [
+        "drafter: none (--draft-model none); the n-gram drafter alone serves"]
+    out, ar = json.loads(r.stdout), json.loads(run("generate", *args, "--strategy", "ar").stdout)
+    assert out["strategy"] == "treegraft" and out["drafter_calls"] == 0
+    assert out["token_ids"] == ar["token_ids"] and len(ar["token_ids"]) == 8
+    turns = "def add(a, b):\nand again\n/quit\n"
+    r = run("chat", *NO_DRAFTER, "--max-tokens", "8", input=turns)
+    assert r.exit_code == 0 and "error" not in r.output, r.output
+    assert r.stdout == run("chat", *NO_DRAFTER, "--max-tokens", "8", "--strategy", "ar",
+                           input=turns).stdout
+    assert r.stdout.count(">> ") == 3                 # two replies, then /quit
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_strategy_that_needs_a_strong_drafter_is_refused_before_loading(command, tmp_path,
+                                                                            monkeypatch):
+    """`draft` and `chain:k` with `--draft-model none`: refused with exit 1, no weights
+    loaded and nothing measured."""
+    loaded, measured = [], []
+    real = F.load_model
+    monkeypatch.setattr(F, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    monkeypatch.setattr(probe, "measure_step_costs",
+                        lambda *a: measured.append(a) or scripted_step_costs())
+    monkeypatch.setattr(server_mod, "make_server", lambda *a: IdleServer())
+    monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))
+    for strategy in ("draft", "chain:2"):
+        r = run_once(command, *NO_DRAFTER, "--strategy", strategy)
+        assert r.exit_code == 1, r.output
+        assert f"strategy {strategy!r} needs a strong drafter" in r.output
+        assert loaded == [] and measured == [], strategy
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_the_bundled_test_model_says_what_it_is(command, tmp_path, monkeypatch):
+    """On the bundled tg-tiny family (by default, or named), one stderr line says it is a
+    small test model and gives the command that runs a real one; another model gets none."""
+    monkeypatch.setattr(server_mod, "make_server", lambda *a: IdleServer())
+    for args in ((), ("--model", str(fixture_path()))):
+        r = run_once(command, *args)
+        assert r.exit_code == 0, r.output
+        said = [line for line in r.stderr.splitlines() if "test model" in line]
+        assert len(said) == 1 and "tg-tiny" in said[0], r.stderr
+        assert f"treegraft {command} --model mlx-community/Qwen3-8B-4bit" in said[0]
+    other = make_checkpoint(tmp_path / "llama", "llama")
+    r = run_once(command, "--model", str(other), "--draft-model", "none")
+    assert r.exit_code == 0, r.output
+    assert "test model" not in r.stderr

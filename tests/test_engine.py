@@ -289,10 +289,13 @@ def test_unknown_strategy_and_missing_drafter_are_clear(family):
     with pytest.raises(ValueError, match="unknown strategy"):
         generate(family, "x = 1", "fastest")
     target_only = load(fixture_path() / "target")
-    with pytest.raises(ValueError, match="needs a strong drafter"):
-        generate(target_only, "x = 1", "treegraft")
-    ngram = generate(target_only, "x = 1\ny = 2\n", "ngram", max_tokens=24)
-    assert ngram.token_ids == generate(target_only, "x = 1\ny = 2\n", "ar", max_tokens=24).token_ids
+    for strategy in ("draft", "chain:2", "treegraft-fixed:1"):
+        with pytest.raises(ValueError, match="needs a strong drafter"):
+            generate(target_only, "x = 1", strategy)
+    ar = generate(target_only, "x = 1\ny = 2\n", "ar", max_tokens=24).token_ids
+    for strategy in ("ngram", "treegraft"):       # treegraft: the tree of the drafters it has
+        out = generate(target_only, "x = 1\ny = 2\n", strategy, max_tokens=24)
+        assert out.token_ids == ar and out.drafter_calls == 0, strategy
 
 
 def test_padded_verification_gives_the_same_logits_and_cache(family):

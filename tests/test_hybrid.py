@@ -12,10 +12,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from checkpoints import write_tokenizer
+from checkpoints import make_hybrid_pair, write_tokenizer
 from test_sampling import exact_pair_distribution
-from treegraft_mlx import generate, load
-from treegraft_mlx.loading import load_model
+from treegraft_mlx import LoadError, fixture_path, generate, load, probe
+from treegraft_mlx.loading import load_model, load_tokenizer
 from treegraft_mlx.models import legacy_config
 from treegraft_mlx.session import Session
 from treegraft_mlx.tree import DraftTree, attention_mask, path_to, positions
@@ -318,3 +318,47 @@ def test_tree_mask_calls_of_a_hybrid_drafter_are_a_clear_error(checkpoint):
     family = load(checkpoint, drafters=[checkpoint], warmup=False)
     with pytest.raises(ValueError, match="hybrid"):
         generate(family, PROMPT, "treegraft-fixed:1", max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A 6-layer Qwen 3.5 target and its 2-layer Qwen 3.5 drafter (no full-attention layer)."""
+    return make_hybrid_pair(tmp_path_factory.mktemp("pair"))
+
+
+def test_a_hybrid_drafter_is_probed_and_drafts_for_prompts_of_any_length(pair, measured_timing):
+    """The default `load` (its first-use probe measuring the drafter as it can run: its
+    chain), then prompts of 200, 1 and 5 tokens on one session (the later ones shorter than
+    the lengths the recurrent caches recorded), two turns each: every strategy a hybrid
+    drafter runs gives `ar`'s tokens, and its drafts are accepted along the way."""
+    family = load(pair[0], drafters=[pair[1]])
+    assert probe.scheduler_timing(family, family.tree).t_mid_ms > 0
+    rng = np.random.default_rng(0)
+    prompts = [(rng.integers(3, 8000, 10).tolist() * 20), [5], rng.integers(3, 8000, 5).tolist()]
+    for strategy in ("treegraft", "draft", "chain:2"):
+        session, accepted = Session(family, family.tree), 0
+        for ids in prompts:
+            for turn in range(2):
+                want = generate(family, ids, "ar", max_tokens=10).token_ids
+                got = generate(family, ids, strategy, max_tokens=10, session=session)
+                assert got.token_ids == want, (strategy, len(ids), turn)
+                accepted += sum(s.accepted for s in got.step_stats)
+                ids = ids + got.token_ids + [17, 29]
+        assert accepted > 0, strategy
+
+
+def test_a_tokenizer_mismatch_names_the_class_each_side_loaded(pair, tmp_path):
+    """transformers loads a `qwen3_5` checkpoint's tokenizer by its model type (a class that
+    adds `<|endoftext|>`), a Llama's by its tokenizer_config: the drafter is refused, and the
+    error says which tokenizer class each side loaded."""
+    target = Path(shutil.copytree(pair[0], tmp_path / "released"))
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_5"}))
+    drafter = fixture_path() / "target"
+    classes = [type(load_tokenizer(p)._tokenizer).__name__ for p in (target, drafter)]
+    if classes[0] == classes[1]:
+        pytest.skip(f"this transformers loads {classes[0]} for both (5.25 does not)")
+    with pytest.raises(LoadError, match="tokenizer mismatch") as refused:
+        load(target, drafters=[drafter], warmup=False)
+    assert f"tokenizer classes: target {classes[0]}, drafter target {classes[1]}" in str(
+        refused.value)

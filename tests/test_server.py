@@ -12,8 +12,8 @@ from typing import Iterator, Optional
 
 import pytest
 from scripted import deterministic
-from serving import (events, open_stream, post, read_events, reply_to, request, running,
-                     status_of, streamed)
+from serving import (IdleServer, events, open_stream, post, read_events, reply_to, request,
+                     running, status_of, streamed)
 from click.testing import CliRunner
 
 from treegraft_mlx import fixture_path, generate, load
@@ -59,7 +59,7 @@ def test_completion_equals_library_and_cli(server, family):
     assert out["usage"]["speculative"]["strategy"] == "treegraft"
     cli = CliRunner().invoke(main, ["generate", "--prompt", PROMPT, "--max-tokens", "40", "--json"])
     assert cli.exit_code == 0, cli.output
-    assert json.loads(cli.output)["text"] == text
+    assert json.loads(cli.stdout)["text"] == text
 
 
 def test_streaming_matches_non_streaming(server):
@@ -430,7 +430,7 @@ def test_config_reports_the_servers_defaults_and_strategies(server):
     each of which the server runs."""
     status, _, payload = request(server, "GET", "/treegraft/config")
     assert status == 200 and json.loads(payload) == {
-        "model": "tg-tiny", "strategy": "treegraft",
+        "model": "tg-tiny", "note": None, "strategy": "treegraft",
         "strategies": ["ar", "chain", "ngram", "draft", "treegraft", "treegraft-learned"],
         "max_tokens": LIMIT, "max_tokens_limit": LIMIT, "temperature": 0.0, "top_p": 1.0,
         "api_key_required": False}
@@ -544,18 +544,6 @@ def test_an_api_key_guards_the_api_but_not_the_page(family):
             "api_key_required"] is True
 
 
-class IdleServer:
-    """What `serve` gets from make_server in the flag test: returns at once."""
-
-    server_port = 8080
-
-    def serve_forever(self) -> None:
-        pass
-
-    def server_close(self) -> None:
-        pass
-
-
 def test_serve_flags_and_the_warning_without_a_key_off_loopback(monkeypatch):
     """`serve` passes --max-queue, --timeout and --api-key (or TREEGRAFT_API_KEY) to the
     server, and warns that there is no authentication only when it binds beyond loopback
@@ -609,3 +597,41 @@ def test_the_official_openai_client_streams_and_completes_as_the_api_does(server
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=PROMPT, max_tokens=4)
+
+
+def test_serve_with_draft_model_none_answers_with_the_default_strategy(monkeypatch):
+    """`serve --draft-model none` (the default strategy, `treegraft`): the family it loads
+    answers as `ar` does, with no drafter call, and one stderr line says the n-gram
+    drafter serves alone."""
+    made = []
+    monkeypatch.setattr(server_mod, "make_server", lambda family, host, port, config:
+                        made.append((family, config)) or IdleServer())
+    out = CliRunner().invoke(main, ["serve", "--model", str(fixture_path() / "target"),
+                                    "--draft-model", "none"])
+    assert out.exit_code == 0, out.output
+    assert [line for line in out.stderr.splitlines() if "n-gram" in line] == [
+        "drafter: none (--draft-model none); the n-gram drafter alone serves"]
+    family, config = made[-1]
+    assert config.strategy == "treegraft"
+    with running(family, strategy=config.strategy, model_id=config.model_id) as srv:
+        status, reply = post(srv, {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        assert status == 200, reply
+        assert "treegraft" in json.loads(request(srv, "GET", "/treegraft/config")[2])[
+            "strategies"]
+    assert reply["choices"][0]["text"] == generate(family, PROMPT, "ar", max_tokens=16).text
+    assert reply["usage"]["speculative"]["drafter_calls"] == 0
+
+
+def test_the_page_config_says_the_bundled_family_is_a_test_model(monkeypatch):
+    """`serve` on the bundled family hands the page (GET /treegraft/config) the line its
+    stderr shows: a small test model, and the command that serves a real one."""
+    made = []
+    monkeypatch.setattr(server_mod, "make_server", lambda family, host, port, config:
+                        made.append((family, config)) or IdleServer())
+    out = CliRunner().invoke(main, ["serve", "--no-autotune"])
+    assert out.exit_code == 0, out.output
+    family, config = made[-1]
+    with running(family, **vars(config)) as srv:
+        note = json.loads(request(srv, "GET", "/treegraft/config")[2])["note"]
+    assert note in out.stderr.splitlines() and "test model" in note
+    assert "treegraft serve --model mlx-community/Qwen3-8B-4bit" in note

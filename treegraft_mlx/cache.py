@@ -57,6 +57,12 @@ class KVCache:
         self.values[layer][..., self.offset:end, :] = v
         return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
 
+    def pend(self, rows: int) -> None:
+        """A block of `rows` is pending: `write` says so at layer 0; a cache of no layers (a
+        hybrid model whose layers all carry recurrent states) is told by its owner, so that
+        `commit` and `keep` still count the committed length."""
+        self.pending = rows
+
     def commit(self, n: int | None = None) -> None:
         """Commit the first n rows of the pending block (all of it by default)."""
         n = self.pending if n is None else n

@@ -83,9 +83,10 @@ def sampling_options(f):
     return f
 
 
-def load_family(source: ModelSource):
+def load_family(source: ModelSource, strategy: Optional[str] = None):
     """The family to generate with; None on a pipeline rank other than 0, once rank 0 is done
-    (it served its layers meanwhile)."""
+    (it served its layers meanwhile). A `strategy` given is checked against the drafters the
+    run will have before anything loads (refuse_without_drafter)."""
     from .convert import ConvertError
     from .engine import load
     from .pairing import choose_models
@@ -93,14 +94,47 @@ def load_family(source: ModelSource):
 
     try:
         if source.model is None:
-            return load(fixture_path(), drafters=source.draft_models, autotune=source.autotune,
-                        pipeline=source.pipeline)
-        models = choose_models(source.model, source.draft_models, source.revision, source.q_bits,
-                               log=lambda line: click.echo(line, err=True))
-        return load(models.target, drafters=models.drafters, autotune=source.autotune,
+            target, drafters = fixture_path(), source.draft_models
+        else:
+            models = choose_models(source.model, source.draft_models, source.revision,
+                                   source.q_bits, log=lambda line: click.echo(line, err=True))
+            target, drafters = models.target, models.drafters
+        if strategy is not None:
+            refuse_without_drafter(strategy, target, drafters)
+        return load(target, drafters=drafters, autotune=source.autotune,
                     pipeline=source.pipeline)
     except (LoadError, MemoryError, PipelineError, ConvertError) as e:
         raise click.ClickException(str(e)) from None
+
+
+def refuse_without_drafter(strategy: str, target, drafters) -> None:
+    """A strategy that needs a strong drafter, on a run that has none (`--draft-model none`,
+    or none fits the target), is refused before any weights load or any cost is measured:
+    only the configs have been read. `treegraft` runs there as the n-gram tree."""
+    from .strategy import for_family, parse_strategy
+    from .family import bundle_drafters
+
+    if drafters or bundle_drafters(target):
+        return
+    try:
+        needs = for_family(parse_strategy(strategy), has_strong=False, has_mtp=False)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    if needs.needs_strong:
+        raise click.ClickException(
+            f"strategy {strategy!r} needs a strong drafter and this run has none: name one "
+            "with --draft-model, or run treegraft or ngram")
+
+
+def say_if_test_model(family, command: str) -> Optional[str]:
+    """One stderr line when the family is a bundled test model (what it writes is noise):
+    which, and the command that runs a real model. Returns the line (serve's page shows it)."""
+    from .fixtures import bundled_model_note
+
+    note = bundled_model_note(family.model_paths.get("target"), command)
+    if note:
+        click.echo(note, err=True)
+    return note
 
 
 @main.command()
@@ -125,9 +159,10 @@ def generate(source, strategy, prompt, max_tokens, temp,
     from .pipeline import PipelineError
     from .sampling import SamplerSettings
 
-    family = load_family(source)
+    family = load_family(source, strategy)
     if family is None:
         return
+    say_if_test_model(family, "generate")
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if chat_template and getattr(family.tokenizer, "chat_template", None):
@@ -177,9 +212,10 @@ def chat(source, strategy, max_tokens, temp, top_p, top_k,
     from .sampling import SamplerSettings
     from .session import Session
 
-    family = load_family(source)
+    family = load_family(source, strategy)
     if family is None:
         return
+    say_if_test_model(family, "chat")
     session, messages, stats = Session(family), [], None
     settings = SamplerSettings(temp, top_p, top_k, min_p)
     click.echo("treegraft chat: /reset, /stats, /quit", err=True)
@@ -248,13 +284,13 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
         parse_strategy(strategy)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    family = load_family(source)
+    family = load_family(source, strategy)
     if family is None:
         return
     model_id = Path(str(source.model)).name if source.model else "tg-tiny"
     config = ServerConfig(model_id=model_id, strategy=strategy, max_tokens_limit=max_tokens_limit,
                           max_body_bytes=max_body_bytes, max_queue=max_queue, timeout=timeout,
-                          api_key=api_key or None)
+                          api_key=api_key or None, note=say_if_test_model(family, "serve"))
     server = make_server(family, host, port, config)
     if config.api_key is None and not is_loopback(host):
         click.echo(f"warning: the server has no authentication and {host!r} is reachable from "

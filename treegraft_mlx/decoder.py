@@ -28,7 +28,7 @@ from .sampling import DeviceDraws, SamplerSettings
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule
 from .session import Session
 from .step import AR_STEP, ArForward, Queued, StepStats, tree_step
-from .strategy import Strategy, needs_costs, needs_timing, on_target
+from .strategy import Strategy, for_family, needs_costs, needs_timing
 from .timing import StepCosts, Timing
 from .tree import SOURCES, DraftTree, Plan, Reach, prune, reach
 from .verify import Acceptance
@@ -51,7 +51,7 @@ class Decoder:
         strategies; `timing`: the learned scheduler's T_tgt/T_mid (probe.scheduler_timing),
         needed by `treegraft-learned` when the family has a scheduler; `trace` receives one
         line per step and per stretch decision."""
-        strategy = on_target(strategy, session.mtp is not None)
+        strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.trace = trace
         self.target = session.family.target

@@ -20,7 +20,7 @@ import numpy as np
 from . import device, probe
 from .decoder import Decoder
 from .step import StepStats
-from .strategy import Strategy, needs_costs, needs_timing, parse_strategy
+from .strategy import Strategy, for_family, needs_costs, needs_timing, parse_strategy
 from .family import Family, TreeConfig, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
 from .hub import resolve_path
@@ -99,6 +99,7 @@ def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings
                  trace: Optional[Callable[[str], None]] = None) -> Decoder:
     """A decoder with what this device measured that the strategy needs (probe.py)."""
     family, tree = session.family, session.tree
+    strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
     costs = probe.step_costs(family, tree) if needs_costs(strategy, tree) else None
     timing = (probe.scheduler_timing(family, tree)
               if needs_timing(strategy, session, settings, schedule) else None)
@@ -175,3 +176,4 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
         if family.strong is not None:
             probe.scheduler_timing(family, family.tree)
     return family
+

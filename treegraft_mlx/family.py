@@ -94,8 +94,12 @@ class Family:
 
 
 def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
-    """Drafts are token ids: a drafter must share the target's vocabulary exactly."""
+    """Drafts are token ids: a drafter must share the target's vocabulary exactly. The error
+    names the tokenizer class each side loaded: transformers picks a class by the model's
+    type as well as by the tokenizer files, so the same files can load as two tokenizers."""
     va, vb = a.get_vocab(), b.get_vocab()
+    classes = (f"\ntokenizer classes: {a_name} {tokenizer_class(a)}, "
+               f"{b_name} {tokenizer_class(b)}")
     if va != vb:
         only_a = sorted(set(va) - set(vb))[:5]
         only_b = sorted(set(vb) - set(va))[:5]
@@ -103,11 +107,16 @@ def check_same_tokenizer(a, b, a_name: str, b_name: str) -> None:
         raise LoadError(
             f"tokenizer mismatch between {a_name} and {b_name}: vocabulary sizes {len(va)} vs "
             f"{len(vb)}; only in {a_name}: {only_a}; only in {b_name}: {only_b}; "
-            f"different ids: {moved}")
+            f"different ids: {moved}{classes}")
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if getattr(a, attr, None) != getattr(b, attr, None):
             raise LoadError(f"tokenizer mismatch between {a_name} and {b_name}: {attr} "
-                            f"{getattr(a, attr, None)} vs {getattr(b, attr, None)}")
+                            f"{getattr(a, attr, None)} vs {getattr(b, attr, None)}{classes}")
+
+
+def tokenizer_class(tokenizer) -> str:
+    """The class transformers loaded, under mlx_lm's wrapper (which keeps it as `_tokenizer`)."""
+    return type(getattr(tokenizer, "_tokenizer", tokenizer)).__name__
 
 
 def target_dir(target_path_or_bundle: Union[str, Path]) -> Path:
@@ -131,7 +140,7 @@ def load_family(target_path_or_bundle: Union[str, Path],
     if manifest_file.exists():
         manifest = family_manifest(root)
         target_dir = root / manifest["target"]
-        drafter_dirs = [(name, root / rel) for name, rel in manifest.get("drafters", {}).items()]
+        drafter_dirs = bundle_drafters(root, manifest)
         settings = manifest.get("tree", {})
         scheduler_dir = bundle_scheduler(root, manifest)
         sampled_dir = bundle_scheduler(root, manifest, sampled=True)
@@ -151,6 +160,16 @@ def load_family(target_path_or_bundle: Union[str, Path],
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
     return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir, sampled_dir,
                   acceptance)
+
+
+def bundle_drafters(root: Path, manifest: Optional[dict] = None) -> list[tuple[str, Path]]:
+    """(name, directory) of each drafter a bundle's manifest (read unless given) names; none
+    for a plain model directory. Read before anything loads: what a run will draft with."""
+    if manifest is None:
+        if not (Path(root) / "treegraft.json").exists():
+            return []
+        manifest = family_manifest(root)
+    return [(name, Path(root) / rel) for name, rel in manifest.get("drafters", {}).items()]
 
 
 def scheduler_entry(sampled: bool) -> str:

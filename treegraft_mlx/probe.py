@@ -126,16 +126,25 @@ def scheduler_timing(family: Family, tree: TreeConfig) -> Timing:
 
 
 def measure_timing(family: Family, tree: TreeConfig) -> Timing:
-    """Warm-up with the strong drafter forced on every layer (the paper's all-S tree), each step
+    """Warm-up with the strong drafter called on every step (timing_strategy), each step
     verifying the tree pruned to the budget, as the scheduler's features were labelled."""
     fixed = dataclasses.replace(tree, adaptive=False)
-    every_layer = "treegraft-fixed:" + ",".join(str(i) for i in range(1, tree.depth + 1))
-    decode(family, every_layer, 8, fixed)                     # first-call costs
-    decoder, _ = decode(family, every_layer, PROBE_TOKENS, fixed)
+    strategy = timing_strategy(family, tree)
+    decode(family, strategy, 8, fixed)                        # first-call costs
+    decoder, _ = decode(family, strategy, PROBE_TOKENS, fixed)
     steps = decoder.stats
     calls = max(1, decoder.drafter_calls)
     return Timing(t_tgt_ms=1000 * sum(s.t_verify for s in steps) / len(steps),
                   t_mid_ms=1000 * sum(s.t_draft for s in steps) / calls)
+
+
+def timing_strategy(family: Family, tree: TreeConfig) -> str:
+    """What T_mid is measured with: the strong drafter forced on every layer (the paper's all-S
+    tree); a hybrid (recurrent) drafter, which cannot drop a tree-mask call's rows, runs what
+    it can, its chain of `depth` tokens on every step (each token one call, as a layer is)."""
+    if getattr(family.strong, "RECURRENT", False):
+        return "draft"
+    return "treegraft-fixed:" + ",".join(str(i) for i in range(1, tree.depth + 1))
 
 
 @contextlib.contextmanager

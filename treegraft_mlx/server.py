@@ -30,8 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
-from .strategy import STRATEGY_NAMES, parse_strategy
 from .engine import stream_generate
+from .strategy import STRATEGY_NAMES, for_family, parse_strategy
 from .family import Family
 from .generate import Response, chat_prompt, summary
 from .page import load_assets
@@ -54,6 +54,7 @@ class ServerConfig:
     timeout: float = 60.0               # seconds a connection may stall (request or reply)
     api_key: Optional[str] = None       # /v1/* and /treegraft/* need "Bearer <api_key>"
     drain_bytes: int = 64 << 20         # an oversized body up to this is read before the 413
+    note: Optional[str] = None          # a line the page shows beside the model's name
 
 
 class RequestError(Exception):
@@ -231,15 +232,22 @@ class Generator:
                     "tokens": s.tokens + (live.generation_tokens if live else 0),
                     "finished": dict(s.finished), "last": s.last}
 
+    def runs(self, name: str) -> bool:
+        """Whether this family has the drafters strategy `name` needs."""
+        family = self.family
+        strategy = for_family(parse_strategy(name), family.strong is not None,
+                              family.mtp is not None)
+        return ((family.strong is not None or not strategy.needs_strong) and
+                (family.mtp is not None or not strategy.mtp_chain))
+
     def describe(self) -> dict:
         """GET /treegraft/config: what a client (the chat page) shows as the defaults."""
         cfg, defaults = self.config, SamplerSettings()
-        names = [n for n in STRATEGY_NAMES if "<" not in n and
-                 (self.family.strong is not None or not parse_strategy(n).needs_strong) and
-                 (self.family.mtp is not None or not parse_strategy(n).mtp_chain)]
+        names = [n for n in STRATEGY_NAMES if "<" not in n and self.runs(n)]
         if cfg.strategy not in names:
             names.insert(0, cfg.strategy)
-        return {"model": cfg.model_id, "strategy": cfg.strategy, "strategies": names,
+        return {"model": cfg.model_id, "note": cfg.note, "strategy": cfg.strategy,
+                "strategies": names,
                 "max_tokens": min(DEFAULT_MAX_TOKENS, cfg.max_tokens_limit),
                 "max_tokens_limit": cfg.max_tokens_limit, "temperature": defaults.temp,
                 "top_p": defaults.top_p, "api_key_required": cfg.api_key is not None}

@@ -95,12 +95,20 @@ def parse_strategy(name: str, depth: int = 5) -> Strategy:
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGY_NAMES)}")
 
 
-def on_target(strategy: Strategy, has_mtp: bool) -> Strategy:
-    """The strategy as it runs on a target: `treegraft` grafts the target's MTP head's chain
-    where the target ships one (one decoder layer reading the target's own hidden state, far
-    cheaper than a small LM's forward) instead of the strong drafter's (docs/design.md §19)."""
-    if strategy.name == "treegraft" and has_mtp:
+def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
+    """The strategy as a family with (or without) a strong drafter and an MTP head runs it:
+    `treegraft` is the shared tree of the drafters the family has. On a target that ships
+    an MTP head it grafts the head's chain (one decoder layer reading the target's own hidden
+    state, far cheaper than a small LM's forward) instead of the strong drafter's
+    (docs/design.md §19); on a family with neither (`--draft-model none`) it is the n-gram
+    tree alone, as `ngram` builds it. Every other strategy runs as named: one that needs a
+    drafter the family lacks is refused."""
+    if strategy.name != "treegraft":
+        return strategy
+    if has_mtp:
         return replace(strategy, strong_chain=False, mtp_chain=True)
+    if not has_strong:
+        return replace(strategy, strong_chain=False, priced=False)
     return strategy
 
 

@@ -486,6 +486,8 @@ class HybridCache:
         r.inputs, r.parents = inputs, parents
         r.first = max(0, len(states) - STASH)
         r.states = states[r.first:]
+        if not self.attention:      # no full-attention layer's write opened the block
+            self.kv.pend(inputs.shape[0])
 
     def commit(self, n: Optional[int] = None) -> None:
         """Commit the first n rows of the pending block (all of it by default): a chain."""

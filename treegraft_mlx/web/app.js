@@ -66,6 +66,8 @@ async function loadConfig() {
   const cfg = await resp.json();
   notice("");
   $("model").textContent = `model ${cfg.model}`;
+  $("model-note").textContent = cfg.note || "";   // e.g. that the model is a test model
+  $("model-note").hidden = !cfg.note;
   const select = $("strategy");
   const first = select.options.length === 0;   // a reload (a new key) keeps what was chosen
   const chosen = select.value;
