@@ -105,6 +105,21 @@ def test_mlx_lm_spec_one_k_for_all_prompts_and_the_per_prompt_oracle():
     assert "| rows verified per step | 1.00 | 4.00 | - | - |" in text
 
 
+def test_waits_per_token_and_per_forward_beside_mlx_lm_s():
+    """Host waits and bytes read back: per token for every strategy, per target forward
+    where the forwards are known (the prefill's included); mlx_lm's per token only."""
+    runs = [Run("a", "copy", "ar", 0, 100, 99, 1.0, 40.0, [1], waits=100, read_bytes=400),
+            Run("a", "copy", "ngram", 0, 100, 39, 2.5, 50.0, [1], waits=40, read_bytes=1200),
+            Run("a", "copy", "mlx_lm", 0, 100, 0, 0.0, 40.0, [1], waits=101, read_bytes=404)]
+    s = summarize(runs)["strategies"]
+    assert s["ngram"]["all"]["waits_per_token"] == pytest.approx(0.4)
+    assert s["ngram"]["all"]["waits_per_forward"] == pytest.approx(1.0)
+    assert s["mlx_lm"]["all"]["waits_per_forward"] is None
+    text = R.strategy_table({"summary": summarize(runs)}, "greedy")
+    assert "| host waits per token (per target forward) / bytes read per token | " \
+           "1.00 (1.00) / 4 | 0.40 (1.00) / 12 | 1.01 / 4 |" in text
+
+
 def test_reliability_table_from_the_bundled_acceptance_file():
     import json
 

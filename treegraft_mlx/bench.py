@@ -227,7 +227,8 @@ def spec_runs(runs: list[Run]) -> list[Run]:
     for r in spec:
         oracle = max(ks, key=lambda k: r.per_k[k][1])
         for name, k in (("mlx_lm_spec", best_k), ("mlx_lm_spec_oracle", oracle)):
-            tokens, tps, waits, nbytes = r.per_k[k]
+            tokens, tps, *counts = r.per_k[k]          # counts: waits, bytes (newer runs)
+            waits, nbytes = counts if counts else (0, 0)
             out.append(dataclasses.replace(r, strategy=name, tokens=tokens, tokens_per_sec=tps,
                                            per_k={k: r.per_k[k]}, waits=waits,
                                            read_bytes=nbytes))

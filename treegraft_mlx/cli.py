@@ -362,7 +362,8 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
         a = cats["all"]
         acc = f"{a['mean_accepted']:.2f}" if a["mean_accepted"] else "-"
         click.echo(f"{s:>24}  {a['tokens_per_sec']:8.1f} tok/s  x{a['speedup_vs_ar']:.2f} vs ar  "
-                   f"accepted {acc}  first token {1000 * a['ttft_s']:.0f} ms")
+                   f"accepted {acc}  first token {1000 * a['ttft_s']:.0f} ms  "
+                   f"waits/token {a['waits_per_token']:.2f}")
     mismatches = B.check_greedy(runs) if temp == 0 else []
     if mismatches:
         for m in mismatches:
