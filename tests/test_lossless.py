@@ -36,7 +36,8 @@ from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.pricing import CallPolicy
-from treegraft_mlx.sampling import SamplerSettings, host_probs
+from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
+from treegraft_mlx.verify import Acceptance
 from treegraft_mlx.session import Session
 from treegraft_mlx.timing import StepCosts
 
@@ -82,6 +83,8 @@ class Outcome:
     rejected: int       # drafts verified and not accepted
     sampled: int        # sampled drafts the walk tried
     z_sampled: float    # those committed, against min(1, p/q)
+    resurrected: int    # drafts committed after failing their test: never, exactly (the
+    #                     residual max(p - q, 0) has no mass on a draft that failed)
 
 
 class DraftedNodes:
@@ -95,6 +98,7 @@ class DraftedNodes:
         self.verdict_rule, self.walk_rule = verdict_rule, walk_rule
         self.q, self.hit = [], []
         self.a, self.took = [], []    # at sampled drafts: min(1, p/q), committed == the draft
+        self.resurrected = 0          # sampled drafts committed after failing their test
         self.seen = None              # the last verification's logits and sampled drafts
 
     def queue_verdict(self, logits, settings, seed, drafts=None, scores=True):
@@ -118,6 +122,7 @@ class DraftedNodes:
                     x = tree.token[drawn_child(tree, node)]
                     self.a.append(min(1.0, p[x] / q[x]))
                     self.took.append(token == x)
+                    self.resurrected += bool(token == x and not verdict[node, 1])
         return walked
 
     def z(self) -> float:
@@ -196,7 +201,8 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
     monkeypatch.setattr(verify_module, "queue_verdict", drafted.verdict_rule)
     monkeypatch.setattr(verify_module, "walk", drafted.walk_rule)
     return Outcome(float(((counts - expected) ** 2 / expected).sum()), drafted.z(), trees,
-                   accepted, rejected, len(drafted.a), drafted.z_sampled())
+                   accepted, rejected, len(drafted.a), drafted.z_sampled(),
+                   drafted.resurrected)
 
 
 @pytest.mark.parametrize("strategy, adaptive", CASES)
@@ -218,7 +224,7 @@ def _check_case(family, strategy: str, adaptive: bool, monkeypatch) -> None:
     # Priced strong-drafter chains are sampled drafts when sampling (min(1, p/q) acceptance).
     assert (got.sampled >= 20) == (adaptive and strategy in ("draft", "treegraft")), got
     assert got.chi2 < CHI2_CRIT_DF9_001 and abs(got.z) < Z_CRIT_001, got
-    assert abs(got.z_sampled) < Z_CRIT_001, got
+    assert abs(got.z_sampled) < Z_CRIT_001 and got.resurrected == 0, got
 
 
 def test_sampled_chains_on_every_step_and_a_rule_without_the_residual(family, monkeypatch):
@@ -229,30 +235,34 @@ def test_sampled_chains_on_every_step_and_a_rule_without_the_residual(family, mo
     got = run_case(family, "draft", True, monkeypatch, runs=2 * RUNS)
     assert got.sampled >= 4 * RUNS, got
     assert got.chi2 < CHI2_CRIT_DF9_001 and abs(got.z) < Z_CRIT_001, got
-    assert abs(got.z_sampled) < Z_CRIT_001, got
+    assert abs(got.z_sampled) < Z_CRIT_001 and got.resurrected == 0, got
     monkeypatch.setattr(verify_module, "residual", lambda p, q: p)
     got = run_case(family, "draft", True, monkeypatch, runs=2 * RUNS)
     assert (got.chi2 > CHI2_CRIT_DF9_001 or abs(got.z) > Z_CRIT_001
-            or abs(got.z_sampled) > Z_CRIT_001), got
+            or abs(got.z_sampled) > Z_CRIT_001 or got.resurrected > 0), got
 
 
 def follows_the_argmax(monkeypatch) -> None:
-    """Installs the mutant: a drafted child that is the target's most likely token is
-    accepted outright (greedy acceptance mixed into sampling); otherwise the exact draw."""
-    seen, verdict_rule, walk_rule = {}, verify_module.queue_verdict, verify_module.walk
+    """Installs the mutant walk: at each node a drafted child that is the target's most
+    likely token is accepted outright, else the child carrying a draw y ~ p (greedy
+    acceptance mixed into sampling; sampled drafts taken as fixed proposals, their
+    min(1, p/q) test and residual ignored)."""
+    seen, verdict_rule = {"rng": np.random.default_rng(7)}, verify_module.queue_verdict
 
     def remember(logits, settings, seed, drafts=None, scores=True):
         seen["logits"] = logits
         return verdict_rule(logits, settings, seed, drafts, scores)
 
     def walk(tree, verdict, settings):
-        best, verdict = np.array(mx.argmax(seen["logits"], axis=-1)), verdict.copy()
-        for node in range(len(tree)):
-            if tree.child(node, int(best[node])) >= 0:
-                verdict[node, 0] = best[node]
-                drawn = [c for c in tree.children_of(node) if c in tree.drawn]
-                verdict[node, 1] = float(bool(drawn) and tree.token[drawn[0]] == best[node])
-        return walk_rule(tree, verdict, settings)
+        node, path = 0, [0]
+        while True:
+            p = host_probs(np.array(seen["logits"][node].astype(mx.float32)), settings)
+            best, y = tree.child(node, int(np.argmax(p))), draw(p, seen["rng"])
+            nxt = best if best >= 0 else tree.child(node, y)
+            if nxt < 0:
+                return verify_module.Walked(Acceptance(path, y), [0.0] * len(path))
+            node = nxt
+            path.append(node)
 
     monkeypatch.setattr(verify_module, "queue_verdict", remember)
     monkeypatch.setattr(verify_module, "walk", walk)
@@ -267,4 +277,5 @@ def test_a_broken_acceptance_rule_fails_every_case(family, monkeypatch):
     for strategy, adaptive in CASES:
         got = run_case(family, strategy, adaptive, monkeypatch)
         assert (got.chi2 > CHI2_CRIT_DF9_001 or abs(got.z) > Z_CRIT_001
-                or abs(got.z_sampled) > Z_CRIT_001), (strategy, adaptive, got)
+                or abs(got.z_sampled) > Z_CRIT_001 or got.resurrected > 0), (
+            strategy, adaptive, got)
