@@ -118,7 +118,10 @@ def _check_weights(model: Model, weights: dict[str, mx.array], where: Path, stag
 def estimate_bytes(args: ModelArgs, weight_bytes: int, context: int, dtype: mx.Dtype,
                    layers: Optional[int] = None) -> int:
     """Weights (as they will sit in memory) plus a KV cache of `context` tokens for `layers`
-    (default: all of the model's)."""
+    (default: all of the model's); a model whose layers differ in K/V shape, or hold none,
+    counts its own (`args.kv_bytes`)."""
+    if hasattr(args, "kv_bytes"):
+        return weight_bytes + args.kv_bytes(context, dtype, layers)
     return weight_bytes + KVCache.bytes_for(layers or args.num_hidden_layers,
                                             args.num_key_value_heads, args.head_dim, context, dtype)
 

@@ -1,7 +1,7 @@
 """Model architectures: which class reads a config and builds a model for each `model_type`.
 
 decoder.py: the Llama skeleton with per-family switches (llama, mistral, qwen2, qwen3, phi3,
-mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; hybrid.py: Qwen 3.5 and Qwen3-Next
+mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text; hybrid.py: Qwen 3.5 and Qwen3-Next
 (Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from .decoder import FAMILY_DEFAULTS, Model, ModelArgs
 from .gemma import FAMILIES as GEMMA_FAMILIES
 from .gemma import GemmaArgs, GemmaModel
+from .gemma4 import FAMILIES as GEMMA4_FAMILIES
+from .gemma4 import Gemma4Args, Gemma4Model
 from .hybrid import FAMILIES as HYBRID_FAMILIES
 from .hybrid import HybridArgs, HybridModel
 from .rope import legacy_keys
@@ -18,6 +20,7 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     **{t: (ModelArgs, Model) for t in FAMILY_DEFAULTS},
     **{t: (GemmaArgs, GemmaModel) for t in GEMMA_FAMILIES},
     **{t: (HybridArgs, HybridModel) for t in HYBRID_FAMILIES},
+    **{t: (Gemma4Args, Gemma4Model) for t in GEMMA4_FAMILIES},
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHITECTURES))
 

@@ -1,0 +1,142 @@
+"""Gemma 4 text targets: logits against transformers' own (tiny checkpoints it wrote,
+tests/hf_reference/gemma4/), prefill and cached decode, both config forms of the global
+attention settings, the multimodal wrapper, the KV cache's size, and tree decoding against
+plain decoding past the sliding window."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from checkpoints import write_tokenizer
+from test_hybrid import stop_inside_a_block
+from treegraft_mlx import LoadError, generate, load, load_model
+from treegraft_mlx.loading import estimate_bytes
+from treegraft_mlx.session import Session
+
+REFERENCES = Path(__file__).parent / "hf_reference" / "gemma4"
+TARGETS = ["dense", "k_eq_v", "moe", "shared_ple", "multimodal"]
+TOL = 1e-4      # relative to the largest logit; fp32 on both sides
+PROMPT = "def add(a, b):\n    return a + b\nclass Foo:\n    pass\nfor i in range(10):\n"
+
+
+def copied(name: str, dest: Path) -> Path:
+    shutil.copytree(REFERENCES / name, dest)
+    write_tokenizer(dest)
+    return dest
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def checkpoint(request, tmp_path_factory) -> Path:
+    return copied(request.param, tmp_path_factory.mktemp(request.param) / request.param)
+
+
+def test_prefill_logits_match_transformers(checkpoint):
+    model, _ = load_model(checkpoint)
+    ref = np.load(checkpoint / "logits.npz")
+    for key in ("short", "long"):          # long: five windows of the sliding layers
+        got = model(mx.array([ref[f"ids_{key}"].tolist()]))[0]
+        assert relative_error(got, ref[key]) < TOL, key
+
+
+def test_cached_decode_matches_transformers(checkpoint):
+    """A prefill of 30 tokens, then one token per forward through the cache (the shared
+    layers reading their producers' cached keys), then a block of 4."""
+    model, _ = load_model(checkpoint)
+    ref = np.load(checkpoint / "logits.npz")
+    ids, want = ref["ids_long"].tolist(), ref["long"]
+    cache = model.make_cache(64)
+    rows = [model(mx.array([ids[:30]]), cache=cache)[0]]
+    cache.commit()
+    for t in ids[30:36]:
+        rows.append(model(mx.array([[t]]), cache=cache)[0])
+        cache.commit()
+    rows.append(model(mx.array([ids[36:]]), cache=cache)[0])
+    assert relative_error(mx.concatenate(rows), want) < TOL
+
+
+def test_global_settings_read_from_either_config_form(tmp_path):
+    """`per_layer_config` (what transformers 5.25 writes) or the top-level
+    `global_head_dim` / `num_global_key_value_heads` of older configs: the same model."""
+    path = copied("k_eq_v", tmp_path / "old")
+    config = json.loads((path / "config.json").read_text())
+    overrides = config.pop("per_layer_config")
+    full = next(iter(overrides.values()))
+    config.update(global_head_dim=full["head_dim"],
+                  num_global_key_value_heads=full["num_key_value_heads"])
+    (path / "config.json").write_text(json.dumps(config))
+    model, _ = load_model(path)
+    ref = np.load(path / "logits.npz")
+    assert relative_error(model(mx.array([ref["ids_long"].tolist()]))[0], ref["long"]) < TOL
+    attn = model.layers[-1].self_attn
+    assert (attn.head_dim, attn.n_kv_heads) == (full["head_dim"], full["num_key_value_heads"])
+    assert "v_proj" not in attn
+
+
+def test_shared_layers_hold_no_cache_and_the_estimate_counts_producers(tmp_path):
+    model, _ = load_model(copied("shared_ple", tmp_path / "m"))
+    a = model.args
+    assert a.producers == [0, 1, 2] and [s.producer for s in a.specs] == [0, 1, 2, 2, 1]
+    assert a.store_layers == {"sliding_attention": 2, "full_attention": 1}
+    cache = model.make_cache(100)
+    model(mx.array([[5, 6, 7]]), cache=cache)
+    per_token = sum(2 * s.kv_heads * s.head_dim * 4 for s in a.specs[:3])
+    assert cache.nbytes == 100 * per_token          # capped at its 100 rows, 3 layers
+    assert estimate_bytes(a, 0, 100, mx.float32) == 100 * per_token
+
+
+def test_a_wrong_layer_count_is_a_clear_error(tmp_path):
+    path = copied("dense", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][:-1]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match="layer_types must name 4 layers"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "shared_ple"])
+def test_tree_decoding_is_token_identical_past_the_window(tmp_path, name):
+    """The model as its own strong drafter: tree steps commit several tokens, pending tree
+    rows read by the shared layers through their producers."""
+    path = copied(name, tmp_path / name)
+    family = load(path, drafters=[path], warmup=False)
+    fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
+    assert len(family.tokenizer.encode(PROMPT)) > 8      # longer than the sliding window
+    ar = generate(family, PROMPT, "ar", max_tokens=40)
+    for strategy in ("ngram", "treegraft", "draft", "chain:3"):
+        for tree in (family.tree, fixed):
+            out = generate(family, PROMPT, strategy, max_tokens=40, tree=tree)
+            assert out.token_ids == ar.token_ids, (strategy, tree.adaptive)
+    out = generate(family, PROMPT, "treegraft", max_tokens=40, tree=fixed)
+    assert out.mean_accepted >= 1.5
+
+
+def test_turns_and_a_stop_inside_a_block(tmp_path):
+    """Two chat turns on one session (the prefix reused), then a stop string inside an
+    accepted block: what fresh `ar` generations give."""
+    path = copied("shared_ple", tmp_path / "m")
+    family = load(path, drafters=[path], warmup=False)
+    session = Session(family, family.tree)
+    text = PROMPT
+    for turn in range(2):
+        want = generate(family, text, "ar", max_tokens=20)
+        got = generate(family, text, "treegraft", max_tokens=20, session=session)
+        assert got.token_ids == want.token_ids, turn
+        text = text + got.text + "\nfor j in range(3):\n"
+    stop_inside_a_block(family, session, "treegraft", "draft")
+
+
+def test_pipeline_refuses_shared_kv(tmp_path):
+    from treegraft_mlx.pipeline import PipelineError, refuse_hybrid
+
+    with pytest.raises(PipelineError, match="shared keys and values"):
+        refuse_hybrid(copied("shared_ple", tmp_path / "m"))
+    refuse_hybrid(copied("dense", tmp_path / "d"))      # nothing shared: allowed
