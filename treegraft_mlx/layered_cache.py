@@ -47,13 +47,16 @@ class LayeredCache:
         g, j = self.slot[layer]
         return self.caches[g].write(j, k, v)
 
-    def committed(self, layer: int, first: int = 0) -> tuple[mx.array, mx.array]:
-        """One layer's committed keys and values from position `first` on (1, heads, n, dim)."""
+    def committed(self, layer: int, first: int = 0, end: int | None = None
+                  ) -> tuple[mx.array, mx.array]:
+        """One layer's committed keys and values of positions [first, end) (default: to the
+        committed length), (1, heads, n, dim)."""
         g, j = self.slot[layer]
         c = self.caches[g]
-        if c.keys[j] is None:
-            raise ValueError("the cache holds nothing yet")
-        return c.keys[j][..., first:c.offset, :], c.values[j][..., first:c.offset, :]
+        end = c.offset if end is None else end
+        if c.keys[j] is None or not 0 <= first <= end <= c.offset:
+            raise ValueError(f"positions [{first}, {end}) are not committed ({c.offset} are)")
+        return c.keys[j][..., first:end, :], c.values[j][..., first:end, :]
 
     def commit(self, n: int | None = None) -> None:
         for c in self.caches:

@@ -1,7 +1,8 @@
 """Model architectures: which class reads a config and builds a model for each `model_type`.
 
 decoder.py: the Llama skeleton with per-family switches (llama, mistral, qwen2, qwen3, phi3,
-mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text; hybrid.py: Qwen 3.5 and Qwen3-Next
+mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text;
+gemma4_assistant.py: the assistant drafter Google ships beside it; hybrid.py: Qwen 3.5 and Qwen3-Next
 (Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
 """
 
@@ -12,6 +13,8 @@ from .gemma import FAMILIES as GEMMA_FAMILIES
 from .gemma import GemmaArgs, GemmaModel
 from .gemma4 import FAMILIES as GEMMA4_FAMILIES
 from .gemma4 import Gemma4Args, Gemma4Model
+from .gemma4_assistant import FAMILIES as ASSISTANT_FAMILIES
+from .gemma4_assistant import AssistantArgs, Gemma4Assistant
 from .hybrid import FAMILIES as HYBRID_FAMILIES
 from .hybrid import HybridArgs, HybridModel
 from .rope import legacy_keys
@@ -21,6 +24,7 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     **{t: (GemmaArgs, GemmaModel) for t in GEMMA_FAMILIES},
     **{t: (HybridArgs, HybridModel) for t in HYBRID_FAMILIES},
     **{t: (Gemma4Args, Gemma4Model) for t in GEMMA4_FAMILIES},
+    **{t: (AssistantArgs, Gemma4Assistant) for t in ASSISTANT_FAMILIES},
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHITECTURES))
 

@@ -195,7 +195,10 @@ class Gemma4Attention(nn.Module):
         s = args.specs[layer]
         d, hd, bias = args.hidden_size, s.head_dim, args.attention_bias
         self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, s.kv_heads, hd
-        self.producer, self.eps = s.producer, args.rms_norm_eps
+        # whose K/V it reads: a layer of this model, or (an assistant's) the K/V of its type
+        # handed in from elsewhere
+        self.producer = s.producer if s.producer >= 0 else s.layer_type
+        self.eps = args.rms_norm_eps
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=bias)
         self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
         if s.producer == layer:

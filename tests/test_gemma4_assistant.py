@@ -1,0 +1,169 @@
+"""Gemma 4's assistant drafter: its logits against transformers' generator's (first draft
+and deeper ones, tests/hf_reference/gemma4/assistant/), its pairing checks, and decoding
+with it: greedy strategies token-identical to `ar` across turns and a stop inside a block,
+tree layers expanded by it, sampling lossless."""
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from checkpoints import write_tokenizer
+from test_hybrid import stop_inside_a_block
+from treegraft_mlx import LoadError, generate, load, load_model
+from treegraft_mlx.drafters import AssistantDrafter
+from treegraft_mlx.history import History
+from treegraft_mlx.session import Session
+
+REFERENCES = Path(__file__).parent / "hf_reference" / "gemma4"
+TOL = 1e-4
+PROMPT = "def add(a, b):\n    return a + b\nclass Foo:\n    pass\nfor i in range(10):\n"
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The shared-KV / PLE target (with a tokenizer) and its assistant (without one: it
+    reads its target's)."""
+    root = tmp_path_factory.mktemp("pair")
+    target = root / "target"
+    shutil.copytree(REFERENCES / "shared_ple", target)
+    write_tokenizer(target)
+    assistant = root / "assistant"
+    shutil.copytree(REFERENCES / "assistant", assistant)
+    return target, assistant
+
+
+def prefilled(target, ids: list[int]):
+    """The target's cache after a prefill of `ids`, its hidden states and next token."""
+    cache = target.make_cache(128)
+    hidden = target.run_layers(target.embed(mx.array([ids])), cache)[0]
+    cache.commit()
+    root = int(mx.argmax(target.head(hidden[None, -1:])[0, -1]).item())
+    return cache, hidden, root
+
+
+def test_drafts_and_logits_match_transformers(pair):
+    """After the prompt's prefill (40 tokens: past the window), the assistant's chain of 4:
+    transformers' drafted tokens, and its logits for the first draft and the deeper ones."""
+    target, _ = load_model(pair[0])
+    assistant, tok = load_model(pair[1])
+    assert tok is None
+    ref = np.load(pair[1] / "drafts.npz")
+    ids = ref["prompt"].tolist()
+    cache, hidden, root = prefilled(target, ids)
+    assert root == int(ref["root"])
+    drafter = AssistantDrafter(assistant, target, cache)
+    drafter.feed(0, hidden)
+    history = History(ids + [root], capacity=128)
+    chain = drafter.queue_chain(root, len(ref["drafts"]), history)
+    assert np.array(chain.tokens).tolist() == ref["drafts"].tolist()
+    for depth in range(len(ref["drafts"])):
+        assert relative_error(chain.rows[depth], ref["logits"][depth]) < TOL, depth
+
+
+def test_a_tree_layer_is_one_forward_and_matches_the_chain(pair):
+    """`expand` runs every node of one depth in one forward; the root's row is the chain's
+    first, and a node's children are scored from its parent's carry."""
+    from treegraft_mlx.tree import DraftTree
+
+    target, _ = load_model(pair[0])
+    assistant, _ = load_model(pair[1])
+    ref = np.load(pair[1] / "drafts.npz")
+    ids = ref["prompt"].tolist()
+    cache, hidden, root = prefilled(target, ids)
+    drafter = AssistantDrafter(assistant, target, cache, top_k=3)
+    drafter.feed(0, hidden)
+    history = History(ids + [root], capacity=128)
+    tree = DraftTree.rooted_at(root)
+    frontier = drafter.expand(tree, [0], 1, history)
+    assert drafter.calls == 1 and int(ref["drafts"][0]) in [tree.token[v] for v in frontier]
+    drafter.expand(tree, frontier, 2, history)
+    assert drafter.calls == 2                    # all three children of the root in one
+    first = tree.child(0, int(ref["drafts"][0]))
+    best = max((v for v in range(len(tree)) if tree.parent[v] == first),
+               key=lambda v: tree.score[v])
+    assert tree.token[best] == int(ref["drafts"][1])
+
+
+def test_pairing_refusals_are_clear(pair, tmp_path):
+    """Another architecture, another vocabulary, store layers of another K/V shape."""
+    from safetensors.numpy import load_file, save_file
+
+    other = tmp_path / "llama"
+    shutil.copytree(Path(__file__).parent / "hf_reference" / "llama3-rope", other)
+    write_tokenizer(other)
+    with pytest.raises(LoadError, match="only for a Gemma 4 target, not llama"):
+        load(other, drafters=[pair[1]], warmup=False)
+    small = tmp_path / "vocab"
+    shutil.copytree(pair[1], small)
+    config = json.loads((small / "config.json").read_text())
+    config["text_config"]["vocab_size"] = 200
+    (small / "config.json").write_text(json.dumps(config))
+    weights = load_file(small / "model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:200]
+    weights["masked_embedding.token_ordering"] = np.arange(200)
+    save_file(weights, small / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError, match="vocabulary mismatch: the assistant has 200 tokens"):
+        load(pair[0], drafters=[small], warmup=False)
+    narrow = tmp_path / "k_eq_v"               # one global KV head where it reads two
+    shutil.copytree(REFERENCES / "k_eq_v", narrow)
+    write_tokenizer(narrow)
+    with pytest.raises(LoadError, match="full_attention layers read K/V of shape"):
+        load(narrow, drafters=[pair[1]], warmup=False)
+
+
+@pytest.fixture
+def family(pair):
+    """A fresh family per test: what decoding learned in one test never steers another."""
+    return load(pair[0], drafters=[pair[1]], warmup=False)
+
+
+def test_greedy_strategies_are_token_identical_to_ar(family):
+    import dataclasses
+
+    fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
+    ar = generate(family, PROMPT, "ar", max_tokens=32)
+    for strategy in ("draft", "chain:3", "treegraft", "treegraft-fixed:1,2"):
+        for tree in (family.tree, fixed):
+            out = generate(family, PROMPT, strategy, max_tokens=32, tree=tree)
+            assert out.token_ids == ar.token_ids, (strategy, tree.adaptive)
+            assert out.drafter_calls > 0, strategy
+
+
+def test_turns_reuse_the_prefix_and_a_stop_inside_a_block(family, monkeypatch):
+    """Two chat turns on one session and a stop string inside a block: what fresh `ar`
+    generations give, the assistant drafting on every step (the call policy forced)."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    session = Session(family, family.tree)
+    text = PROMPT
+    for turn in range(2):
+        for strategy in ("draft", "treegraft"):
+            want = generate(family, text, "ar", max_tokens=20)
+            got = generate(family, text, strategy, max_tokens=20, session=session)
+            assert got.token_ids == want.token_ids, (turn, strategy)
+            assert got.drafter_calls > 0
+        text = text + got.text + "\nfor j in range(3):\n"
+    stop_inside_a_block(family, session, "draft", "treegraft")
+
+
+@pytest.mark.parametrize("strategy", ["draft", "treegraft"])
+def test_sampling_with_the_assistant_is_lossless(family, strategy, monkeypatch):
+    """The first two sampled tokens (the second drafted by the assistant from its own
+    distribution, accepted by min(1, p/q)) follow the target's: chi-square over 400 seeds,
+    alpha 0.001 (test_hybrid.first_pairs_chi_square)."""
+    from test_hybrid import first_pairs_chi_square
+    from treegraft_mlx.pricing import CallPolicy
+
+    monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    pairs, chi2, calls = first_pairs_chi_square(family, strategy)
+    assert calls >= 400
+    assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001
