@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from checkpoints import write_tokenizer
+from scripted import deterministic
 from test_hybrid import stop_inside_a_block
 from treegraft_mlx import LoadError, generate, load, load_model
 from treegraft_mlx.drafters import AssistantDrafter
@@ -121,8 +122,9 @@ def test_pairing_refusals_are_clear(pair, tmp_path):
 
 @pytest.fixture
 def family(pair):
-    """A fresh family per test: what decoding learned in one test never steers another."""
-    return load(pair[0], drafters=[pair[1]], warmup=False)
+    """A fresh family per test (what decoding learned in one test never steers another),
+    on the scripted clock (what it learns never depends on load)."""
+    return deterministic(load(pair[0], drafters=[pair[1]], warmup=False))
 
 
 def test_greedy_strategies_are_token_identical_to_ar(family):
