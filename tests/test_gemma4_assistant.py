@@ -169,3 +169,43 @@ def test_sampling_with_the_assistant_is_lossless(family, strategy, monkeypatch):
     pairs, chi2, calls = first_pairs_chi_square(family, strategy)
     assert calls >= 400
     assert pairs == 9 and chi2 < 26.12          # df 8, alpha 0.001
+
+
+def test_without_an_assistant_the_ngram_drafter_serves(pair):
+    """A Gemma 4 target alone (no assistant cached or named) speculates with n-grams."""
+    import dataclasses
+
+    from treegraft_mlx.pairing import choose_drafter
+
+    choice = choose_drafter(pair[0], str(pair[0]), download=False)
+    assert choice.path is None and "n-gram drafter alone" in choice.line
+    family = deterministic(load(pair[0], warmup=False))
+    fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
+    ar = generate(family, PROMPT, "ar", max_tokens=32)
+    out = generate(family, PROMPT, "ngram", max_tokens=32, tree=fixed)
+    assert out.token_ids == ar.token_ids
+    assert any(s.nodes_verified > 1 for s in out.step_stats)     # n-gram drafts verified
+
+
+def test_the_cached_assistant_of_the_targets_width_is_picked(pair, tmp_path, monkeypatch):
+    """Known pairs name Google's assistants; from the cache, the assistant trained beside
+    a target of this width is picked, one of another width skipped."""
+    from huggingface_hub import constants
+
+    from test_hub import fake_cache
+    from treegraft_mlx.pairing import choose_drafter, known_drafter
+
+    assert known_drafter("google/gemma-4-E2B-it") == "google/gemma-4-E2B-it-assistant"
+    assert known_drafter("google/gemma-4-26B-A4B-it") == "google/gemma-4-26B-A4B-it-assistant"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    wide = tmp_path / "wide"
+    shutil.copytree(pair[1], wide)
+    config = json.loads((wide / "config.json").read_text())
+    config["backbone_hidden_size"] *= 2
+    (wide / "config.json").write_text(json.dumps(config))
+    fake_cache(tmp_path / "hub", "acme/gemma-4-big-assistant", wide)
+    fake_cache(tmp_path / "hub", "acme/gemma-4-assistant", pair[1])
+    choice = choose_drafter(pair[0], "acme/gemma-4", download=False)
+    assert choice.name == "acme/gemma-4-assistant"
+    family = load(pair[0], drafters=[choice.path], warmup=False)
+    assert isinstance(Session(family, family.tree).strong, AssistantDrafter)
