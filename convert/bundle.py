@@ -26,7 +26,7 @@ from ..cache import KVCache
 from ..device import available_memory
 from ..family import check_same_tokenizer
 from ..hub import resolve_path
-from ..loading import LoadError, read_config, weight_files
+from ..loading import LoadError, has_tokenizer, read_config, weight_files
 from mlx.utils import tree_flatten
 
 from ..models import build_model, legacy_config, model_args
@@ -166,6 +166,8 @@ def _check_family(sources: list[Source]) -> None:
         raise ConvertError(f"target: no tokenizer files in {sources[0].path}")
     target_tok = load_tokenizer(sources[0].path, sources[0].config)
     for s in sources[1:]:
+        if not has_tokenizer(s.path):          # a Gemma 4 assistant uses its target's
+            continue
         try:
             check_same_tokenizer(target_tok, load_tokenizer(s.path, s.config), "target", s.role)
         except LoadError as e:
@@ -288,8 +290,9 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
             manifest_models[s.role] = {"path": str(s.out_dir), "bytes": written,
                                        "quantization": config.get("quantization")}
         args = model_args(sources[0].config)
-        kv = KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
-                               context, DTYPES.get(dtype or "float16"))
+        kv = (args.kv_bytes(context, DTYPES.get(dtype or "float16")) if hasattr(args, "kv_bytes")
+              else KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads,
+                                     args.head_dim, context, DTYPES.get(dtype or "float16")))
         need, have = total_after + kv, available_memory()
         log(f"memory estimate: weights {total_after / 2**20:.1f} MiB + KV cache for {context} "
             f"tokens {kv / 2**20:.1f} MiB = {need / 2**20:.1f} MiB (available {have / 2**20:.0f} MiB)")

@@ -140,3 +140,69 @@ def test_pipeline_refuses_shared_kv(tmp_path):
     with pytest.raises(PipelineError, match="shared keys and values"):
         refuse_hybrid(copied("shared_ple", tmp_path / "m"))
     refuse_hybrid(copied("dense", tmp_path / "d"))      # nothing shared: allowed
+
+
+def old_form(path: Path) -> Path:
+    """The config with the top-level global settings older configs (and mlx_lm) read."""
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    full = next(iter(text["per_layer_config"].values()))
+    text.update(global_head_dim=full["head_dim"],
+                num_global_key_value_heads=full.get("num_key_value_heads"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("name", ["dense", "moe", "shared_ple", "multimodal"])
+def test_converted_bundles_keep_the_logits(tmp_path, name):
+    """`treegraft convert`: in full precision the logits are transformers'; in 4 bits the
+    projections are quantized and greedy tree decoding still gives what `ar` gives (its
+    numbers: test_mlx_lm_converted_directories_load)."""
+    from treegraft_mlx.convert import QuantSpec, convert_family
+
+    src = copied(name, tmp_path / name)
+    ref = np.load(src / "logits.npz")
+    ids = mx.array([ref["ids_long"].tolist()])
+    plain = convert_family(str(src), [], str(tmp_path / "fp"), log=lambda s: None)
+    model, _ = load_model(plain / "target")
+    assert relative_error(model(ids)[0], ref["long"]) < TOL
+    q4 = convert_family(str(src), [], str(tmp_path / "q4"), quant=QuantSpec(4, 32),
+                        log=lambda s: None)
+    model, _ = load_model(q4 / "target")
+    assert model.quantization["bits"] == 4
+    assert type(model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    family = load(q4, warmup=False)
+    fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
+    assert (generate(family, PROMPT, "ngram", max_tokens=16, tree=fixed).token_ids
+            == generate(family, PROMPT, "ar", max_tokens=16).token_ids)
+
+
+@pytest.mark.parametrize("name", ["dense", "k_eq_v", "shared_ple"])
+def test_mlx_lm_converted_directories_load(tmp_path, name):
+    """A directory mlx_lm itself converted to 4 bits: the logits mlx_lm computes from it
+    (mlx_lm reads the older top-level global settings)."""
+    import mlx_lm
+
+    src = old_form(copied(name, tmp_path / name))
+    out = tmp_path / "mlx"
+    mlx_lm.convert(str(src), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=32)
+    ours, _ = load_model(out)
+    theirs, _ = mlx_lm.load(str(out))
+    theirs.set_dtype(mx.float32)
+    ids = mx.array([np.load(src / "logits.npz")["ids_long"].tolist()])
+    assert ours.quantization["bits"] == 4
+    assert relative_error(ours(ids)[0], np.array(theirs(ids)[0])) < 1e-3
+
+
+def test_the_multimodal_text_tower_under_mlx_lm_names(tmp_path):
+    """mlx_lm saves a `gemma4` checkpoint's text tower as `language_model.model.*`."""
+    from safetensors.numpy import load_file, save_file
+
+    path = copied("multimodal", tmp_path / "m")
+    weights = load_file(path / "model.safetensors")
+    renamed = {k.replace("model.language_model.", "language_model.model."): v
+               for k, v in weights.items() if k.startswith("model.language_model.")}
+    save_file(renamed, path / "model.safetensors", metadata={"format": "mlx"})
+    model, _ = load_model(path)
+    ref = np.load(path / "logits.npz")
+    assert relative_error(model(mx.array([ref["ids_long"].tolist()]))[0], ref["long"]) < TOL

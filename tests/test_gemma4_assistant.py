@@ -209,3 +209,26 @@ def test_the_cached_assistant_of_the_targets_width_is_picked(pair, tmp_path, mon
     assert choice.name == "acme/gemma-4-assistant"
     family = load(pair[0], drafters=[choice.path], warmup=False)
     assert isinstance(Session(family, family.tree).strong, AssistantDrafter)
+
+
+def test_a_converted_bundle_keeps_the_assistant(pair, tmp_path):
+    """`treegraft convert` with the assistant as drafter (no tokenizer of its own): in
+    full precision its drafts are transformers', in 4 bits the bundle decodes as `ar`."""
+    from treegraft_mlx.convert import QuantSpec, convert_family
+
+    quiet = dict(log=lambda line: None)
+    plain = convert_family(str(pair[0]), [str(pair[1])], str(tmp_path / "fp"), **quiet)
+    family = load(plain, warmup=False)
+    assert isinstance(Session(family, family.tree).strong, AssistantDrafter)
+    ref = np.load(pair[1] / "drafts.npz")
+    ids = ref["prompt"].tolist()
+    cache, hidden, root = prefilled(family.target, ids)
+    drafter = AssistantDrafter(family.strong, family.target, cache)
+    drafter.feed(0, hidden)
+    chain = drafter.queue_chain(root, len(ref["drafts"]), History(ids + [root], capacity=64))
+    assert relative_error(chain.rows, ref["logits"]) < TOL
+    q4 = convert_family(str(pair[0]), [str(pair[1])], str(tmp_path / "q4"),
+                        quant=QuantSpec(4, 32), **quiet)
+    family = deterministic(load(q4, warmup=False))
+    assert (generate(family, PROMPT, "draft", max_tokens=16).token_ids
+            == generate(family, PROMPT, "ar", max_tokens=16).token_ids)
