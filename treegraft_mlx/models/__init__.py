@@ -1,9 +1,9 @@
 """Model architectures: which class reads a config and builds a model for each `model_type`.
 
 decoder.py: the Llama skeleton with per-family switches (llama, mistral, qwen2, qwen3, phi3,
-mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text;
-gemma4_assistant.py: the assistant drafter Google ships beside it; hybrid.py: Qwen 3.5 and Qwen3-Next
-(Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
+mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text, and
+gemma4_assistant.py the assistant drafter Google ships beside it; hybrid.py: Qwen 3.5 and
+Qwen3-Next (Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
 """
 
 from __future__ import annotations

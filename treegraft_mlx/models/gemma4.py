@@ -92,6 +92,9 @@ class Gemma4Args(ModelArgs):
     def derive(self, config: dict) -> None:
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"unsupported hidden_activation {self.hidden_activation!r}")
+        if config.get("use_bidirectional_attention") == "all":
+            raise ValueError("use_bidirectional_attention 'all' makes an encoder, not a "
+                             "causal language model: not supported")
         n = self.num_hidden_layers
         types = list(self.layer_types or [FULL if (i + 1) % SLIDING_PATTERN == 0 else SLIDING
                                           for i in range(n)])
