@@ -139,7 +139,8 @@ def test_pipeline_refuses_shared_kv(tmp_path):
 
     with pytest.raises(PipelineError, match="shared keys and values"):
         refuse_hybrid(copied("shared_ple", tmp_path / "m"))
-    refuse_hybrid(copied("dense", tmp_path / "d"))      # nothing shared: allowed
+    with pytest.raises(PipelineError, match="per-layer K/V shapes"):
+        refuse_hybrid(copied("dense", tmp_path / "d"))
 
 
 def old_form(path: Path) -> Path:

@@ -416,13 +416,15 @@ class Gemma4Model(Model):
 
     @staticmethod
     def pipeline_refusal(args: Gemma4Args) -> Optional[str]:
-        """Why --pipeline cannot split this model, or None: a KV-shared layer reads another
-        layer's keys and values, and per-layer inputs feed every layer from the embedding,
-        neither of which travels between ranks."""
+        """Why --pipeline cannot split this model: a KV-shared layer reads another layer's
+        keys and values and per-layer inputs feed every layer from the embedding, neither of
+        which travels between ranks; and a stage's cache would have to follow the per-layer
+        K/V shapes of its slice of layers, which is not built."""
         if args.num_kv_shared_layers or args.hidden_size_per_layer_input:
             return ("--pipeline does not carry Gemma 4's shared keys and values or per-layer "
                     "inputs between ranks; run this model in one process")
-        return None
+        return ("--pipeline does not split Gemma 4's per-layer K/V shapes over ranks yet; "
+                "run this model in one process")
 
     def checkpoint_names(self, weights: dict, halves: Optional[Callable] = None,
                          unfuse: bool = True) -> dict:
