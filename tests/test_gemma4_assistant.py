@@ -139,21 +139,28 @@ def test_greedy_strategies_are_token_identical_to_ar(family):
             assert out.drafter_calls > 0, strategy
 
 
-def test_turns_reuse_the_prefix_and_a_stop_inside_a_block(family, monkeypatch):
+@pytest.mark.parametrize("fitted", [False, True], ids=["transformers", "fitted"])
+def test_turns_reuse_the_prefix_and_a_stop_inside_a_block(pair, overconfident, fitted,
+                                                          monkeypatch):
     """Two chat turns on one session and a stop string inside a block: what fresh `ar`
-    generations give, the assistant drafting on every step (the call policy forced)."""
+    generations give, the assistant drafting on every step (the call policy forced); the
+    fitted one's drafts are accepted."""
     from treegraft_mlx.pricing import CallPolicy
 
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    family = deterministic(load(pair[0], drafters=[overconfident if fitted else pair[1]],
+                                warmup=False))
     session = Session(family, family.tree)
-    text = PROMPT
+    text, accepted = PROMPT, 0
     for turn in range(2):
         for strategy in ("draft", "treegraft"):
             want = generate(family, text, "ar", max_tokens=20)
             got = generate(family, text, strategy, max_tokens=20, session=session)
             assert got.token_ids == want.token_ids, (turn, strategy)
             assert got.drafter_calls > 0
+            accepted += sum(s.accepted for s in got.step_stats) if strategy == "draft" else 0
         text = text + got.text + "\nfor j in range(3):\n"
+    assert accepted > 0 or not fitted
     stop_inside_a_block(family, session, "draft", "treegraft")
 
 
