@@ -34,10 +34,13 @@ from ..models.moe import EXPERT_TENSOR, stack_experts
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 RECIPES = ("uniform", "mixed-8-embed")  # mixed-8-embed: embeddings and LM head at 8 bits
-# Every projection, Gated DeltaNet's input projections included (as mlx_lm quantizes them);
-# routers, norms, the convolution and the decay parameters stay in full precision.
+# Every projection, Gated DeltaNet's input projections and Gemma 4's per-layer-input table
+# and projections included (as mlx_lm quantizes them); routers, norms, the convolution and
+# the decay parameters stay in full precision.
 QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight",
-                        *(f".in_proj_{p}.weight" for p in ("qkv", "z", "a", "b", "qkvz", "ba")))
+                        *(f".in_proj_{p}.weight" for p in ("qkv", "z", "a", "b", "qkvz", "ba")),
+                        "embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                        "per_layer_input_gate.weight", "per_layer_projection.weight")
 SHARD_BYTES = 2 * 2**30
 
 

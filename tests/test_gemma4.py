@@ -172,6 +172,8 @@ def test_converted_bundles_keep_the_logits(tmp_path, name):
     model, _ = load_model(q4 / "target")
     assert model.quantization["bits"] == 4
     assert type(model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    if name == "shared_ple":                   # the per-layer inputs' gate, as mlx_lm does
+        assert type(model.layers[0].per_layer_input_gate).__name__ == "QuantizedLinear"
     family = load(q4, warmup=False)
     fixed = dataclasses.replace(family.tree, adaptive=False, verify_pad=())
     assert (generate(family, PROMPT, "ngram", max_tokens=16, tree=fixed).token_ids
