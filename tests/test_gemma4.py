@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 
@@ -156,7 +157,9 @@ def old_form(path: Path) -> Path:
 
 @pytest.mark.parametrize("name", ["dense", "moe", "shared_ple", "multimodal"])
 def test_converted_bundles_keep_the_logits(tmp_path, name):
-    """`treegraft convert`: in full precision the logits are transformers'; in 4 bits the
+    """`treegraft convert` writes a text model (a multimodal checkpoint's text tower as
+    `gemma4_text`): in full precision the logits are transformers' (and mlx_lm's reading of
+    the bundle's); in 4 bits the
     projections are quantized and greedy tree decoding still gives what `ar` gives (its
     numbers: test_mlx_lm_converted_directories_load)."""
     from treegraft_mlx.convert import QuantSpec, convert_family
@@ -167,6 +170,10 @@ def test_converted_bundles_keep_the_logits(tmp_path, name):
     plain = convert_family(str(src), [], str(tmp_path / "fp"), log=lambda s: None)
     model, _ = load_model(plain / "target")
     assert relative_error(model(ids)[0], ref["long"]) < TOL
+    written = json.loads((plain / "target" / "config.json").read_text())
+    assert written["model_type"] == "gemma4_text" and "global_head_dim" in written
+    theirs, _ = mlx_lm.load(str(plain / "target"))    # a text model mlx_lm reads alike
+    assert relative_error(np.array(theirs(ids)[0]), ref["long"]) < TOL
     q4 = convert_family(str(src), [], str(tmp_path / "q4"), quant=QuantSpec(4, 32),
                         log=lambda s: None)
     model, _ = load_model(q4 / "target")
@@ -184,8 +191,6 @@ def test_converted_bundles_keep_the_logits(tmp_path, name):
 def test_mlx_lm_converted_directories_load(tmp_path, name):
     """A directory mlx_lm itself converted to 4 bits: the logits mlx_lm computes from it
     (mlx_lm reads the older top-level global settings)."""
-    import mlx_lm
-
     src = old_form(copied(name, tmp_path / name))
     out = tmp_path / "mlx"
     mlx_lm.convert(str(src), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=32)

@@ -13,6 +13,7 @@ from .gemma import FAMILIES as GEMMA_FAMILIES
 from .gemma import GemmaArgs, GemmaModel
 from .gemma4 import FAMILIES as GEMMA4_FAMILIES
 from .gemma4 import Gemma4Args, Gemma4Model
+from .gemma4 import text_config as gemma4_text_config
 from .gemma4_assistant import FAMILIES as ASSISTANT_FAMILIES
 from .gemma4_assistant import AssistantArgs, Gemma4Assistant
 from .hybrid import FAMILIES as HYBRID_FAMILIES
@@ -51,7 +52,10 @@ def build_model(args: ModelArgs) -> Model:
 def legacy_config(config: dict) -> dict:
     """config.json with the keys transformers 4.x (and mlx_lm) read, beside the 5.x ones:
     `rope_theta` / `rope_scaling` (Gemma 3: `rope_local_base_freq`), Qwen3-MoE's
-    `num_experts`. What the converter writes, so every reader sees the same model."""
+    `num_experts`; a Gemma 4 checkpoint's text model (gemma4.text_config). What the converter
+    writes, so every reader sees the same model."""
+    if config.get("model_type") in GEMMA4_FAMILIES:
+        config = gemma4_text_config(config)
     out = dict(config)
     if config.get("rope_parameters"):
         args = model_args(config)

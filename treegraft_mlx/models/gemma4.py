@@ -138,6 +138,24 @@ class Gemma4Args(ModelArgs):
         return LayeredCache.bytes_for(shapes, context, dtype)
 
 
+def text_config(config: dict) -> dict:
+    """A Gemma 4 config as a text model's (what a converted directory holds, with no other
+    towers' weights): a multimodal wrapper's `text_config` as `gemma4_text`, and the full
+    layers' head dim and KV heads also at the top level, where older configs and mlx_lm read
+    them."""
+    if config.get("model_type") == "gemma4" and "text_config" in config:
+        outer = {k: config[k] for k in ("tie_word_embeddings", "eos_token_id") if k in config}
+        config = {**config["text_config"], **outer, "model_type": "gemma4_text"}
+    out = dict(config)
+    overrides = [v for k, v in (config.get("per_layer_config") or {}).items()
+                 if str(k).isdigit() and "head_dim" in v]
+    if overrides and "global_head_dim" not in config:
+        out["global_head_dim"] = overrides[0]["head_dim"]
+        if config.get("attention_k_eq_v") and "num_key_value_heads" in overrides[0]:
+            out["num_global_key_value_heads"] = overrides[0]["num_key_value_heads"]
+    return out
+
+
 def layer_specs(args: Gemma4Args, config: dict) -> list[LayerSpec]:
     """Every layer's LayerSpec: per-layer overrides (`per_layer_config`, keyed by index) or,
     without them, the top-level global settings for full layers, as transformers reads them;
