@@ -94,7 +94,8 @@ def test_a_tree_layer_is_one_forward_and_matches_the_chain(pair):
 
 
 def test_pairing_refusals_are_clear(pair, tmp_path):
-    """Another architecture, another vocabulary, store layers of another K/V shape."""
+    """Another architecture, another vocabulary, the assistant as the target, store layers
+    of another K/V shape."""
     from safetensors.numpy import load_file, save_file
 
     other = tmp_path / "llama"
@@ -113,6 +114,8 @@ def test_pairing_refusals_are_clear(pair, tmp_path):
     save_file(weights, small / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(LoadError, match="vocabulary mismatch: the assistant has 200 tokens"):
         load(pair[0], drafters=[small], warmup=False)
+    with pytest.raises(LoadError, match="it cannot be the target"):
+        load(pair[1], warmup=False)
     narrow = tmp_path / "k_eq_v"               # one global KV head where it reads two
     shutil.copytree(REFERENCES / "k_eq_v", narrow)
     write_tokenizer(narrow)

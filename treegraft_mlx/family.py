@@ -142,6 +142,9 @@ def load_family(target_path_or_bundle: Union[str, Path],
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
     target, tokenizer = load_model(target_dir, stage=target_stage, **model_kwargs)
+    if getattr(target, "ASSISTANT", False):
+        raise LoadError(f"{target_dir} is a Gemma 4 assistant: it drafts for its Gemma 4 "
+                        "target (--draft-model), it cannot be the target")
     loaded, paths = {}, {"target": target_dir}
     for name, d in drafter_dirs:
         paths[name] = d
