@@ -26,7 +26,7 @@ from ..cache import KVCache
 from ..device import available_memory
 from ..family import check_same_tokenizer
 from ..hub import resolve_path
-from ..loading import LoadError, read_config, weight_files
+from ..loading import LoadError, has_tokenizer, read_config, weight_files
 from mlx.utils import tree_flatten
 
 from ..models import build_model, legacy_config, model_args
@@ -34,10 +34,13 @@ from ..models.moe import EXPERT_TENSOR, stack_experts
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 RECIPES = ("uniform", "mixed-8-embed")  # mixed-8-embed: embeddings and LM head at 8 bits
-# Every projection, Gated DeltaNet's input projections included (as mlx_lm quantizes them);
-# routers, norms, the convolution and the decay parameters stay in full precision.
+# Every projection, Gated DeltaNet's input projections and Gemma 4's per-layer-input table
+# and projections included (as mlx_lm quantizes them); routers, norms, the convolution and
+# the decay parameters stay in full precision.
 QUANTIZABLE_SUFFIXES = ("_proj.weight", "embed_tokens.weight", "lm_head.weight",
-                        *(f".in_proj_{p}.weight" for p in ("qkv", "z", "a", "b", "qkvz", "ba")))
+                        *(f".in_proj_{p}.weight" for p in ("qkv", "z", "a", "b", "qkvz", "ba")),
+                        "embed_tokens_per_layer.weight", "per_layer_model_projection.weight",
+                        "per_layer_input_gate.weight", "per_layer_projection.weight")
 SHARD_BYTES = 2 * 2**30
 
 
@@ -166,6 +169,8 @@ def _check_family(sources: list[Source]) -> None:
         raise ConvertError(f"target: no tokenizer files in {sources[0].path}")
     target_tok = load_tokenizer(sources[0].path, sources[0].config)
     for s in sources[1:]:
+        if not has_tokenizer(s.path):          # a Gemma 4 assistant uses its target's
+            continue
         try:
             check_same_tokenizer(target_tok, load_tokenizer(s.path, s.config), "target", s.role)
         except LoadError as e:
@@ -288,8 +293,9 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
             manifest_models[s.role] = {"path": str(s.out_dir), "bytes": written,
                                        "quantization": config.get("quantization")}
         args = model_args(sources[0].config)
-        kv = KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
-                               context, DTYPES.get(dtype or "float16"))
+        kv = (args.kv_bytes(context, DTYPES.get(dtype or "float16")) if hasattr(args, "kv_bytes")
+              else KVCache.bytes_for(args.num_hidden_layers, args.num_key_value_heads,
+                                     args.head_dim, context, DTYPES.get(dtype or "float16")))
         need, have = total_after + kv, available_memory()
         log(f"memory estimate: weights {total_after / 2**20:.1f} MiB + KV cache for {context} "
             f"tokens {kv / 2**20:.1f} MiB = {need / 2**20:.1f} MiB (available {have / 2**20:.0f} MiB)")

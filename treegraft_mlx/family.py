@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from .acceptance import REGIMES, AcceptanceModel, save as save_acceptance
+from .drafters.assistant import check_pair
 from .fixtures import family_manifest
 from .hub import resolve_path
 from .loading import LoadError, load_model
@@ -150,11 +151,17 @@ def load_family(target_path_or_bundle: Union[str, Path],
         target_dir, drafter_dirs = root, []
     drafter_dirs += [(Path(str(d)).name, resolve_path(d)) for d in drafters]
     target, tokenizer = load_model(target_dir, stage=target_stage, **model_kwargs)
+    if getattr(target, "ASSISTANT", False):
+        raise LoadError(f"{target_dir} is a Gemma 4 assistant: it drafts for its Gemma 4 "
+                        "target (--draft-model), it cannot be the target")
     loaded, paths = {}, {"target": target_dir}
     for name, d in drafter_dirs:
         paths[name] = d
         model, tok = load_model(d, **model_kwargs)
-        check_same_tokenizer(tokenizer, tok, "target", f"drafter {name}")
+        if getattr(model, "ASSISTANT", False):       # Gemma 4's: drafts from the target
+            check_pair(model, target)
+        if tok is not None:
+            check_same_tokenizer(tokenizer, tok, "target", f"drafter {name}")
         loaded[name] = model
     if tree is None:
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})

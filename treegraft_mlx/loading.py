@@ -118,7 +118,10 @@ def _check_weights(model: Model, weights: dict[str, mx.array], where: Path, stag
 def estimate_bytes(args: ModelArgs, weight_bytes: int, context: int, dtype: mx.Dtype,
                    layers: Optional[int] = None) -> int:
     """Weights (as they will sit in memory) plus a KV cache of `context` tokens for `layers`
-    (default: all of the model's)."""
+    (default: all of the model's); a model whose layers differ in K/V shape, or hold none,
+    counts its own (`args.kv_bytes`)."""
+    if hasattr(args, "kv_bytes"):
+        return weight_bytes + args.kv_bytes(context, dtype, layers)
     return weight_bytes + KVCache.bytes_for(layers or args.num_hidden_layers,
                                             args.num_key_value_heads, args.head_dim, context, dtype)
 
@@ -169,14 +172,20 @@ def load_model(path_or_repo: Union[str, Path], dtype: Optional[mx.Dtype] = None,
     if not lazy:
         mx.eval(list(weights.values()) if stage is not None else model.parameters())
     model.eval()
+    if getattr(model, "ASSISTANT", False) and not has_tokenizer(path):
+        return model, None                   # an assistant drafter reads its target's
     return model, load_tokenizer(path, config)
+
+
+def has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()
 
 
 def load_tokenizer(path: Path, config: Optional[dict] = None):
     """mlx_lm's TokenizerWrapper (streaming detokenizer, chat template, eos ids)."""
     from mlx_lm.tokenizer_utils import load as load_tok
 
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+    if not has_tokenizer(path):
         raise LoadError(f"{path} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
     eos = (config or {}).get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else None)

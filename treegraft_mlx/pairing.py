@@ -19,13 +19,14 @@ from . import hub
 from .convert.cached import quantized_once
 from .errors import LoadError
 from .family import check_same_tokenizer
-from .loading import load_tokenizer, read_config, weight_files
+from .loading import has_tokenizer, load_tokenizer, read_config, weight_files
 from .models import SUPPORTED_MODEL_TYPES
 
 PAIRS_FILE = Path(__file__).with_name("pairs.json")
 NO_DRAFTER = "none"
 # model types that share one family's tokenizers
-FAMILY_OF = {"qwen3_moe": "qwen3", "gemma3_text": "gemma3", "mixtral": "mistral"}
+FAMILY_OF = {"qwen3_moe": "qwen3", "gemma3_text": "gemma3", "mixtral": "mistral",
+             "gemma4_text": "gemma4", "gemma4_assistant": "gemma4"}
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,20 @@ def family(config: dict) -> str:
     return FAMILY_OF.get(model_type, model_type)
 
 
+def text_settings(config: dict) -> dict:
+    """The text model's settings (a multimodal or assistant config nests them)."""
+    return config.get("text_config") or config
+
+
+def drafts_for(other: dict, config: dict) -> bool:
+    """Whether a model of config `other` may draft for a target of `config`: the same
+    vocabulary size, and for a Gemma 4 assistant the width it was trained beside."""
+    if text_settings(other).get("vocab_size") != text_settings(config).get("vocab_size"):
+        return False
+    return (other.get("model_type") != "gemma4_assistant"
+            or other.get("backbone_hidden_size") == text_settings(config).get("hidden_size"))
+
+
 def model_bytes(path: Path) -> int:
     try:
         return sum(f.stat().st_size for f in weight_files(path))
@@ -101,8 +116,7 @@ def candidates(target: Path, config: dict, target_name: str, download: bool) -> 
     for repo, path in hub.cached_repos():
         other = runnable(path)
         if (other is None or path.resolve() == target.resolve()
-                or family(other) != family(config)
-                or other.get("vocab_size") != config.get("vocab_size")):
+                or family(other) != family(config) or not drafts_for(other, config)):
             continue
         other_size = model_bytes(path)
         if 0 < other_size < size:
@@ -125,8 +139,9 @@ def choose_drafter(target: Path, target_name: str, download: bool = True) -> Dra
             skipped.append(f"{c.name} ({e})")
             continue
         try:
-            check_same_tokenizer(tokenizer, load_tokenizer(path, read_config(path)), "target",
-                                 c.name)
+            if has_tokenizer(path):           # an assistant may ship none: it uses its target's
+                check_same_tokenizer(tokenizer, load_tokenizer(path, read_config(path)),
+                                     "target", c.name)
         except LoadError:
             skipped.append(f"{c.name} (another tokenizer)")
             continue

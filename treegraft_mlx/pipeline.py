@@ -448,9 +448,14 @@ def refuse_hybrid(path) -> None:
     from .loading import read_config
     from .models import build_class, model_args
 
-    if build_class(model_args(read_config(path))).RECURRENT:
+    args = model_args(read_config(path))
+    if build_class(args).RECURRENT:
         raise PipelineError(f"{path}: --pipeline does not carry the recurrent state of a hybrid "
                             "(linear-attention) model yet; run it in one process")
+    refusal = getattr(build_class(args), "pipeline_refusal", None)
+    why = refusal(args) if refusal is not None else None
+    if why:
+        raise PipelineError(f"{path}: {why}")
 
 
 def start(target_path_or_bundle, drafters=(), tree=None, **model_kwargs):

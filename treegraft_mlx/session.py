@@ -1,7 +1,8 @@
 """What survives between generations of one conversation, and the prefill that reuses it.
 
 The target's KV cache, the history (tokens and the target's scores of them) and the drafters'
-state stay alive across turns; a target's MTP head hears every committed hidden state (`saw`).
+state stay alive across turns; a target's MTP head, and a Gemma 4 assistant, hear every committed
+hidden state (`saw`).
 A new prompt reuses the longest prefix it shares with what is committed, so a chat turn only
 prefills its new tokens.
 """
@@ -13,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .drafters import ModelDrafter, MtpDrafter, NgramDrafter
+from .drafters import AssistantDrafter, ModelDrafter, MtpDrafter, NgramDrafter, is_assistant
 from .family import Family, TreeConfig
 from .history import History, as_logits
 from .sampling import SamplerSettings, pick
@@ -39,7 +40,11 @@ class Session:
         t = self.tree
         self.ngram = NgramDrafter(t.n_max, t.top_k, t.depth)
         self.strong = (ModelDrafter(family.strong, "draft", t.top_k, t.depth, t.lookback)
-                       if family.strong is not None else None)
+                       if family.strong is not None and not is_assistant(family.strong)
+                       else None)
+        if family.strong is not None and is_assistant(family.strong):  # Gemma 4's assistant
+            self.strong = AssistantDrafter(family.strong, family.target, self.cache, "draft",
+                                           t.top_k, t.depth, t.lookback)
         self.mtp = (MtpDrafter(family.target, t.top_k, t.depth)
                     if family.mtp is not None else None)
 
@@ -47,10 +52,11 @@ class Session:
         """The target's last-layer hidden states (L, H) of positions start, ..., just
         committed (`rows` of `hidden` only, where given: a tree step's accepted path): the MTP
         head's input, kept whatever the strategy (one row a position, as the history keeps
-        the prompt's) so that any later turn can draft with it. Without a head, nothing is
-        gathered."""
-        if self.mtp is not None:
-            self.mtp.feed(start, hidden if rows is None else hidden[mx.array(rows)])
+        the prompt's) so that any later turn can draft with it; a Gemma 4 assistant reads
+        the last of them. Without either, nothing is gathered."""
+        for drafter in (self.mtp, self.strong):
+            if hasattr(drafter, "feed"):
+                drafter.feed(start, hidden if rows is None else hidden[mx.array(rows)])
 
     def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
         """Run one chunk of the prompt into the cache; its rows' scores are deferred

@@ -1,8 +1,9 @@
 """Model architectures: which class reads a config and builds a model for each `model_type`.
 
 decoder.py: the Llama skeleton with per-family switches (llama, mistral, qwen2, qwen3, phi3,
-mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; hybrid.py: Qwen 3.5 and Qwen3-Next
-(Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
+mixtral, qwen3_moe); gemma.py: Gemma 2 and Gemma 3 text; gemma4.py: Gemma 4 text, and
+gemma4_assistant.py the assistant drafter Google ships beside it; hybrid.py: Qwen 3.5 and
+Qwen3-Next (Gated DeltaNet and gated attention, dense and MoE); rope.py and moe.py: their parts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from __future__ import annotations
 from .decoder import FAMILY_DEFAULTS, Model, ModelArgs
 from .gemma import FAMILIES as GEMMA_FAMILIES
 from .gemma import GemmaArgs, GemmaModel
+from .gemma4 import FAMILIES as GEMMA4_FAMILIES
+from .gemma4 import Gemma4Args, Gemma4Model
+from .gemma4 import text_config as gemma4_text_config
+from .gemma4_assistant import FAMILIES as ASSISTANT_FAMILIES
+from .gemma4_assistant import AssistantArgs, Gemma4Assistant
 from .hybrid import FAMILIES as HYBRID_FAMILIES
 from .hybrid import HybridArgs, HybridModel
 from .rope import legacy_keys
@@ -18,6 +24,8 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     **{t: (ModelArgs, Model) for t in FAMILY_DEFAULTS},
     **{t: (GemmaArgs, GemmaModel) for t in GEMMA_FAMILIES},
     **{t: (HybridArgs, HybridModel) for t in HYBRID_FAMILIES},
+    **{t: (Gemma4Args, Gemma4Model) for t in GEMMA4_FAMILIES},
+    **{t: (AssistantArgs, Gemma4Assistant) for t in ASSISTANT_FAMILIES},
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(ARCHITECTURES))
 
@@ -44,7 +52,10 @@ def build_model(args: ModelArgs) -> Model:
 def legacy_config(config: dict) -> dict:
     """config.json with the keys transformers 4.x (and mlx_lm) read, beside the 5.x ones:
     `rope_theta` / `rope_scaling` (Gemma 3: `rope_local_base_freq`), Qwen3-MoE's
-    `num_experts`. What the converter writes, so every reader sees the same model."""
+    `num_experts`; a Gemma 4 checkpoint's text model (gemma4.text_config). What the converter
+    writes, so every reader sees the same model."""
+    if config.get("model_type") in GEMMA4_FAMILIES:
+        config = gemma4_text_config(config)
     out = dict(config)
     if config.get("rope_parameters"):
         args = model_args(config)
