@@ -380,11 +380,15 @@ def test_adaptive_steps_mix_pipelined_ar_trees_and_carried_drafts(family, monkey
 
     monkeypatch.setattr(Sizer, "plan", scripted)
     prompt = suite_prompts(1)[1]["prompt"]
-    kw = dict(max_tokens=80, temp=temp, seed=3)
-    out = generate(family, prompt, "ngram", **kw)
+    for seed in range(3, 9):            # sampled: whether a draft is confirmed is chance
+        calls.clear()
+        kw = dict(max_tokens=80, temp=temp, seed=seed)
+        out = generate(family, prompt, "ngram", **kw)
+        carried = [s for s in out.step_stats if not s.layers and s.rows > 1]
+        if carried:
+            break
     rows = [s.rows for s in out.step_stats]
     assert 1 in rows and max(rows) > 1
-    carried = [s for s in out.step_stats if not s.layers and s.rows > 1]
     assert carried, "no subtree was carried over from an in-flight root forward"
     if temp == 0:
         assert out.token_ids == generate(family, prompt, "ar", max_tokens=80).token_ids
