@@ -57,6 +57,8 @@ def main() -> None:
             tg = generate(family, p["prompt"], args.strategy, max_tokens=args.max_tokens)
             assert tg.token_ids == ar.token_ids, p["id"]
             n = len(tg.token_ids)
+            if not (ar.tokens_per_sec and tg.tokens_per_sec):
+                continue                    # ended at its first token: no decoding to time
             tokens += n
             seconds["ar"] += n / ar.tokens_per_sec
             seconds[args.strategy] += n / tg.tokens_per_sec

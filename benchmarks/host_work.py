@@ -1,13 +1,14 @@
 """Host work per verification step against the vocabulary size: the acceptance code on
 synthetic logits, at tg-tiny's 8,192 tokens and the 151,936 of every Qwen target.
 
-A step of 12 verified rows (an 8-node tree with a chain of 3, the root's and the chain's
-rows visited first) is accepted by the runtime's code (verify.queue_verdict, read_back,
-verify.walk), greedy and sampled with top-p 0.9, a sampled chain's q included. Host time is
-what Python spends building the verdict's graph and walking the tree; the wait (the device
-computing the verdict, on this CPU the CPU itself) is reported beside it, as is the step
-before the one-readback change, which read each visited node's full row back and worked on
-it in numpy (sampling.host_probs and an inverse-CDF draw).
+A step of 11 verified rows (an 8-node tree with a chain of 3) is accepted by the runtime's
+code (verify.queue_verdict, read_back, verify.walk), greedy and sampled with top-p 0.9, a
+sampled chain's q included, in both placements of the verdict: on the device (a GPU's; run
+here by MLX's CPU kernels) and on the host (this CPU's: the rows read back whole, numpy).
+Host time is what Python spends building the verdict's graph, finishing it and walking the
+tree; the wait (the device computing, on this CPU the CPU itself) is reported beside it, as
+is the step before the one-readback change, which read each visited node's row back and
+worked on it in numpy (sampling.host_probs and an inverse-CDF draw).
 
     python benchmarks/host_work.py [--repeat 50]
 """
@@ -24,6 +25,7 @@ import treegraft_mlx  # noqa: F401  (loads the system OpenBLAS first)
 from treegraft_mlx.readback import read_back
 from treegraft_mlx.sampling import SamplerSettings, host_probs
 from treegraft_mlx.tree import STRONG, DraftTree
+from treegraft_mlx import verify
 from treegraft_mlx.verify import SampledDrafts, queue_verdict, walk
 
 VOCABS = (8_192, 151_936)
@@ -54,14 +56,15 @@ def case(vocab: int, rng: np.random.Generator):
     return tree, mx.array(logits), drafts
 
 
-def one_readback(tree, logits, drafts, settings, key) -> tuple[float, float, int]:
-    """Host ms (building the verdict's graph, walking), wait ms, nodes visited."""
+def one_readback(tree, logits, drafts, settings, seed) -> tuple[float, float, int]:
+    """Host ms (building the verdict's graph, finishing and walking it), wait ms, nodes
+    visited, for the placement verify.on_gpu picks."""
     t0 = time.perf_counter()
-    verdict = queue_verdict(logits, settings, key, None if settings.greedy else drafts)
+    verdict = queue_verdict(logits, settings, seed, None if settings.greedy else drafts)
     t1 = time.perf_counter()
-    got = read_back(verdict)[0].reshape(len(tree), -1)
+    got = read_back(*verdict.parts)
     t2 = time.perf_counter()
-    walked = walk(tree, got, settings)
+    walked = walk(tree, verdict.finish(got), settings)
     t3 = time.perf_counter()
     return 1000 * (t1 - t0 + t3 - t2), 1000 * (t2 - t1), len(walked.acceptance.path)
 
@@ -86,25 +89,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print("| vocabulary | regime | host ms a step | wait ms a step | nodes visited "
-          "| before: host ms a step (row per node) |")
-    print("|---|---|---|---|---|---|")
+    print("| vocabulary | regime | verdict placement | host ms a step | wait ms a step "
+          "| nodes visited | before: host ms a step (a row per visited node) |")
+    print("|---|---|---|---|---|---|---|")
     for vocab in VOCABS:
         tree, logits, drafts = case(vocab, rng)
         mx.eval(logits, drafts.q)
         for name, settings in REGIMES.items():
-            new, old = [], []
-            for i in range(args.repeat + 3):
-                key = mx.random.key(i)
-                got = one_readback(tree, logits, drafts, settings, key)
-                was = row_per_node(tree, logits, settings, rng)
-                if i >= 3:                     # warm-up: first graphs, first allocations
-                    new.append(got)
-                    old.append(was)
-            host, wait, visited = np.median(np.array(new), axis=0)
-            before, old_visited = np.median(np.array(old), axis=0)
-            print(f"| {vocab:,} | {name} | {host:.3f} | {wait:.2f} | {visited:.0f} "
-                  f"| {before:.2f} ({old_visited:.0f} nodes) |")
+            old = [row_per_node(tree, logits, settings, rng) for _ in range(args.repeat + 3)]
+            before, old_visited = np.median(np.array(old[3:]), axis=0)
+            for placement, gpu in (("device (a GPU's)", True), ("host (this CPU's)", False)):
+                verify.on_gpu = lambda: gpu
+                new = [one_readback(tree, logits, drafts, settings, i)
+                       for i in range(args.repeat + 3)][3:]   # warm-up: first graphs
+                host, wait, visited = np.median(np.array(new), axis=0)
+                print(f"| {vocab:,} | {name} | {placement} | {host:.3f} | {wait:.2f} "
+                      f"| {visited:.0f} | {before:.2f} ({old_visited:.0f} nodes) |")
 
 
 if __name__ == "__main__":

@@ -95,3 +95,22 @@ def test_scores_on_the_device_follow_the_reference():
     x = mx.array(rows)
     got = np.array(scores_of(x, mx.array(following), mx.logsumexp(x, axis=-1)))
     assert np.allclose(got, [reference(r, t) for r, t in zip(rows, following)], atol=1e-4)
+
+
+def test_a_queued_prefetch_reads_the_mean_of_the_prompt_rows_read_back():
+    """Until its readback, a queued position reads as the mean score of the prompt rows
+    already read back (0.0, a certain token, would make first reads look sure); a position
+    never queued still reads 0.0."""
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 64, 40).tolist()
+    rows = rng.normal(0, 2, (39, 64)).astype(np.float32)
+    h = History(tokens, capacity=64)
+    h.defer(0, mx.array(rows), history_module.as_logits)
+    want = [reference(rows[p], tokens[p + 1]) for p in range(39)]
+    h.prefetch([1, 2])
+    h.collect(read_back(*h.pending()))
+    h.prefetch([7])
+    assert h.logprob(7) == pytest.approx((want[1] + want[2]) / 2, abs=1e-4)
+    assert h.logprob(9) == 0.0
+    h.collect(read_back(*h.pending()))
+    assert h.logprob(7) == pytest.approx(want[7], abs=1e-4)

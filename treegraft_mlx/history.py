@@ -44,6 +44,7 @@ class History:
         self._deferred: dict[int, list[tuple[int, mx.array, Head]]] = {}
         self._pending: list[tuple[list[int], QueuedScores]] = []   # queued prefetches
         self._queued: set[int] = set()                         # their positions
+        self._prefetched = np.zeros(2)                         # their scores' sum, count
 
     @property
     def committed(self) -> int:
@@ -143,14 +144,22 @@ class History:
     def collect(self, values: Sequence[np.ndarray]) -> None:
         """The values of `pending()`, read back: those positions are scored now."""
         for (where, queued), value in zip(self._pending, values):
-            self.lp[where] = queued.finish(value, [self.tokens[p + 1] for p in where])
+            scores = queued.finish(value, [self.tokens[p + 1] for p in where])
+            self.lp[where] = scores
+            self._prefetched += (float(np.sum(scores)), len(scores))
         self._pending, self._queued = [], set()
 
     def logprob(self, position: int) -> float:
-        """The target's log-prob of the token that followed `position` (0.0 where not scored
-        yet: a prefetch still queued, or a row never read)."""
+        """The target's log-prob of the token that followed `position`. A prefetch still
+        queued reads as the mean score of the prompt's rows read back so far: 0.0 there (a
+        certain token) would make the n-gram drafts of every first read look sure, and
+        sampled steps verify trees that lose to plain steps (benchmarks/RESULTS.md). A row
+        never read is 0.0."""
         lp = self.lp[position]
-        return 0.0 if lp != lp else float(lp)
+        if lp == lp:
+            return float(lp)
+        total, count = self._prefetched
+        return total / count if position in self._queued and count else 0.0
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
