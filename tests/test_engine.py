@@ -425,6 +425,28 @@ def test_plain_stretches_decode_as_ar_and_defer_the_rows_drafters_read(family, m
         assert generate(family, prompt, "ngram", **kw).token_ids == out.token_ids
 
 
+def test_a_stretch_s_first_step_is_not_measured(family, monkeypatch):
+    """The first AR step of a stretch starts the pipeline and catches up with the tree
+    steps' queued work: the fallback's AR rate learns from the other steps only (the tokens
+    it is told of are each stretch's AR steps less one)."""
+    from treegraft_mlx.pricing import Fallback
+
+    fallback = Fallback(ar_ms=1e-6)             # AR looks free: stretches after every probe
+    monkeypatch.setitem(family.learned.fallbacks, (False, family.tree, "ngram"), fallback)
+    told, observe = [], fallback.observe_ar
+    monkeypatch.setattr(fallback, "observe_ar",
+                        lambda tokens, ms: (told.append(tokens), observe(tokens, ms)))
+    out = generate(family, suite_prompts(1)[1]["prompt"], "ngram", max_tokens=72)
+    runs, run = [], 0
+    for stats in out.step_stats + [None]:       # stretch steps: AR_STEP, in runs
+        if stats is not None and stats.t_verify == 0 and stats.nodes_built == 1:
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert told and sum(told) == sum(r - 1 for r in runs if r > 1)
+
+
 def test_fallback_stretches_while_ar_is_faster_and_probes_the_tree_between():
     from treegraft_mlx.pricing import Fallback
 

@@ -296,9 +296,12 @@ class Decoder:
         text starts to loop (its last n_max tokens occurred before: n-gram drafts may pay
         again), the n-gram drafter's guess is checked against each token meanwhile
         (Fallback.observe_shadow), and what ran is measured, also when the caller stops
-        inside it."""
+        inside it. The stretch's first step is not measured: it starts the pipeline (its
+        forward was not queued ahead) and catches up with what the tree steps left queued,
+        which prices the switch, not AR steps, as the first tree step after a stretch is not
+        measured either (Decoder._learn); one slow first step had set the AR rate for good."""
         history, fallback, index = self.session.history, self.fallback, self.session.ngram.index
-        done, busy, t0 = 0, 0.0, self.clock()
+        done, busy, first, t0 = 0, 0.0, 0.0, self.clock()
         self._since = None
         try:
             queued = queued or forward(mx.array(root))
@@ -312,13 +315,14 @@ class Decoder:
                     self.drafters.observe(history, 1)
                 self._record(AR_STEP)
                 done, busy = done + 1, self.clock() - t0   # the caller's time included
+                first = first or busy
                 yield self._by_target(nxt)
                 queued = after
                 if fallback and index.repeats(history.tokens) and fallback.loop_pays():
                     break           # the text loops: drafts may pay again; probe the tree
         finally:
-            if done and fallback is not None:
-                fallback.observe_ar(done, 1000 * busy)
+            if done > 1 and fallback is not None:
+                fallback.observe_ar(done - 1, 1000 * (busy - first))
         return history.root, queued
 
     def _calls_next(self) -> bool:
