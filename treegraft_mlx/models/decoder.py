@@ -260,6 +260,17 @@ class Model(nn.Module):
     def run_layers(self, h: mx.array, cache: Optional[KVCache] = None,
                    positions: Optional[mx.array] = None, mask=None) -> mx.array:
         """The decoder layers this model holds (all of them, or a pipeline stage's slice)."""
+        pos, mask, local = self.block_masks(h, cache, positions, mask)
+        for i, layer in enumerate(self.model.layers):
+            if layer.sliding:
+                h = layer(h, pos, local.mask, cache, i, local.first_key)
+            else:
+                h = layer(h, pos, mask, cache, i)
+        return h
+
+    def block_masks(self, h: mx.array, cache, positions: Optional[mx.array], mask):
+        """A block's positions, its mask (causal by default for several rows) and, where a
+        layer slides, the windowed mask, built once for every layer."""
         offset = cache.offset if cache is not None else 0
         L = h.shape[1]
         pos: Positions = offset if positions is None else positions
@@ -267,12 +278,7 @@ class Model(nn.Module):
             mask = "causal"
         local = (windowed(mask, pos, offset, L, self.args.sliding_window)
                  if any(layer.sliding for layer in self.model.layers) else None)
-        for i, layer in enumerate(self.model.layers):
-            if layer.sliding:
-                h = layer(h, pos, local.mask, cache, i, local.first_key)
-            else:
-                h = layer(h, pos, mask, cache, i)
-        return h
+        return pos, mask, local
 
     def head(self, h: mx.array, logits_rows: Optional[mx.array] = None) -> mx.array:
         """Logits of the chosen rows (all by default) from the last layer's hidden states."""

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..kernels import tree_attention, windowed
+from ..kernels import tree_attention
 from ..layered_cache import LayeredCache
 from .decoder import Model, ModelArgs, sliding_layers
 from .rope import Positions, RoPE, RopeSpec, rope_spec
@@ -406,13 +406,7 @@ class Gemma4Model(Model):
         if h.shape[-1] > d:
             h, tokens = h[..., :d], h[..., d:]
             per_layer = self.per_layer_inputs(h, tokens)
-        offset = cache.offset if cache is not None else 0
-        L = h.shape[1]
-        pos: Positions = offset if positions is None else positions
-        if mask is None and L > 1:
-            mask = "causal"
-        local = (windowed(mask, pos, offset, L, self.args.sliding_window)
-                 if any(layer.sliding for layer in self.model.layers) else None)
+        pos, mask, local = self.block_masks(h, cache, positions, mask)
         shared: dict = {}
         for i, layer in enumerate(self.model.layers):
             lm, first = (local.mask, local.first_key) if layer.sliding else (mask, 0)
