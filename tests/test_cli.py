@@ -234,7 +234,7 @@ def test_calibrate_budget_calibrate_export_and_report(tmp_path):
     for temp, artifact in ((0.0, "scheduler"), (0.7, "scheduler-sampled")):
         decoder = make_decoder(Session(family), parse_strategy("treegraft-learned"),
                                SamplerSettings(temp), np.random.default_rng(0))
-        assert decoder.schedule.mlp is family.scheduler(temp > 0)[0]
+        assert decoder.policy.schedule.mlp is family.scheduler(temp > 0)[0]
         assert family.scheduler(temp > 0)[1]["sampling"]["temp"] == temp
     r = run("export-coreml", "--model", str(bundle), "--sampled", "--out",
             str(tmp_path / "s2.mlpackage"))

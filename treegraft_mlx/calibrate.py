@@ -299,10 +299,18 @@ def tune_offset(family: Family, prompts: list[dict], mlp: SchedulerMLP, timing: 
             if progress:
                 progress(1)
     table = [{"offset": o, "tokens_per_sec": tokens[o] / seconds[o] if seconds[o] else 0.0,
-              "drafter_calls": calls[o],
+              "drafter_calls": calls[o], "evaluations": evaluations[o],
               "decision_ms": 1000 * deciding[o] / max(1, evaluations[o])} for o in offsets]
     best = max(table, key=lambda row: row["tokens_per_sec"])
     return best["offset"], table
+
+
+def pooled_decision_ms(table: list[dict]) -> float:
+    """One decision run's cost over every offset's runs: an evaluation costs the same at any
+    offset, and the chosen offset alone may have decided rarely or never (its steps ran as
+    plain stretches, or drafting did not pay), which would price decisions at nothing."""
+    runs = sum(row["evaluations"] for row in table)
+    return sum(row["decision_ms"] * row["evaluations"] for row in table) / max(1, runs)
 
 
 def budget_table(dataset: dict[str, list[dict]], mlp: SchedulerMLP, decision_ms: float,
@@ -391,7 +399,7 @@ def calibrate(family: Family, prompts_file: Path, prompts: list[dict], out_dir: 
     offset, table = tune_offset(family, prompts, mlp, timing, offsets, run, progress=progress)
     mlp = shifted(mlp, offset)
     metrics["call_rate_after_offset"] = float((np.array(mlp.value(mx.array(x))) > 0).mean())
-    decision_ms = next(row["decision_ms"] for row in table if row["offset"] == offset)
+    decision_ms = pooled_decision_ms(table)
     budget = budget_table(dataset, mlp, decision_ms, b0)
     tree: TreeConfig = family.tree
     meta = {"t_tgt_ms": timing.t_tgt_ms, "t_mid_ms": timing.t_mid_ms,

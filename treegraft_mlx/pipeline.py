@@ -34,6 +34,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .models.forward import Forward
 from .tree import TreeMask
 
 CONTROL = 9                  # int32 control words a frame opens with (Frame.control)
@@ -401,6 +402,11 @@ class PipelineTarget:
         out_rows = rows if frame.logits_rows is None else len(frame.logits_rows)
         return self.link.recv((1, out_rows, self.args.vocab_size), dtype, self.link.size - 1,
                               "logits")
+
+    def forward(self, inputs: mx.array, cache: Optional[PipelineCache] = None,
+                positions: Optional[mx.array] = None, mask=None) -> Forward:
+        """Every row's logits: the hidden states stay on the last rank."""
+        return Forward(None, all_logits=self(inputs, cache, positions, mask)[0])
 
     def close(self) -> None:
         """Ends the other ranks' loops (once; not after a peer was lost)."""

@@ -36,6 +36,11 @@ class SamplerSettings:
         return self.temp == 0
 
 
+def device_key(rng: np.random.Generator) -> mx.array:
+    """A device random key drawn from a generation's seeded generator."""
+    return mx.random.key(int(rng.integers(2**31)))
+
+
 def processed_logits(logits: mx.array, s: SamplerSettings) -> mx.array:
     """THE definition of the processed distribution, as log-weights (up to a constant; -inf
     where filtered). With q = softmax(logits / temp):

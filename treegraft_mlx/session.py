@@ -63,20 +63,17 @@ class Session:
         (History.defer) where the target exposes its hidden states, so only the last row's
         logits are computed now (what `mlx_lm` computes); a pipeline target, whose head runs
         on its last rank, returns every row's logits, and those are deferred instead."""
-        target = self.family.target
-        tokens = mx.array([chunk])
-        if not hasattr(target, "run_layers"):
-            logits = target(tokens, cache=self.cache)[0]
-            self.cache.commit()
+        out = self.family.target.forward(mx.array([chunk]), self.cache)
+        self.cache.commit()
+        if out.hidden is None:
+            logits = out.logits()
             mx.eval(logits)
             history.defer(start, logits, as_logits)
             return logits[-1]
-        hidden = target.run_layers(target.embed(tokens), self.cache)[0]
-        self.cache.commit()
-        self.saw(start, hidden)
-        last = target.head(hidden[None, -1:])[0, -1]
-        mx.eval(hidden, last)
-        history.defer(start, hidden, target.head)
+        self.saw(start, out.hidden)
+        last = out.logits(slice(-1, None))[-1]
+        mx.eval(out.hidden, last)
+        history.defer(start, out.hidden, out.head)
         return last
 
     def reusable(self, ids: list[int]) -> int:

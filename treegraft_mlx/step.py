@@ -89,13 +89,10 @@ class ArForward:
         self.saw, self.scores = saw, scores
 
     def __call__(self, token: mx.array) -> Queued:
-        target, tokens = self.target, token.reshape(1, 1)
-        if hasattr(target, "run_layers"):
-            hidden = target.run_layers(target.embed(tokens), self.cache)[0]
-            logits = target.head(hidden[None])[0, -1]
-            self.saw(self.cache.offset, hidden)
-        else:
-            logits = target(tokens, cache=self.cache)[0, -1]
+        out = self.target.forward(token.reshape(1, 1), self.cache)
+        logits = out.logits()[-1]
+        if out.hidden is not None:
+            self.saw(self.cache.offset, out.hidden)
         self.cache.commit()
         self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)

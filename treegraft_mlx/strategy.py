@@ -112,6 +112,24 @@ def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
     return strategy
 
 
+def runs_on(strategy: Strategy, session: Session) -> Strategy:
+    """The strategy as the session's family runs it (for_family); a ValueError says why one
+    its drafters cannot run is refused."""
+    strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
+    if strategy.needs_strong and session.strong is None:
+        raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
+    if strategy.mtp_chain and session.mtp is None:
+        raise ValueError(f"strategy {strategy.name!r} needs the target's multi-token-"
+                         "prediction head (Qwen 3.5 / Qwen3-Next `mtp.*` weights, which "
+                         "mlx_lm's converter drops); this target has none")
+    strong = session.strong.model if session.strong is not None else None
+    if (strategy.combine_layers or strategy.learned) and getattr(strong, "RECURRENT", False):
+        raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
+                         "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
+                         "draft, treegraft or chain")
+    return strategy
+
+
 def needs_costs(strategy: Strategy, tree: TreeConfig) -> bool:
     """Whether decoding `strategy` sizes its steps, and so needs this device's step costs."""
     return strategy.kind == "tree" and tree.adaptive

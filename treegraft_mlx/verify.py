@@ -68,11 +68,8 @@ def verify_hidden(target, cache: KVCache, tree: DraftTree, rows: int = 0,
         tokens = mx.concatenate([tokens, chain.tokens])
     if pad:
         tokens = mx.concatenate([tokens, mx.full((pad,), tree.token[0], dtype=mx.int32)])
-    block = dict(cache=cache, positions=positions(parent, ctx), mask=attention_mask(parent, ctx))
-    if not hasattr(target, "run_layers"):
-        return target(tokens[None], **block)[0, :n], None
-    hidden = target.run_layers(target.embed(tokens[None]), **block)[0, :n]
-    return target.head(hidden[None])[0], hidden
+    out = target.forward(tokens[None], cache, positions(parent, ctx), attention_mask(parent, ctx))
+    return out.logits(slice(0, n)), (out.hidden[:n] if out.hidden is not None else None)
 
 
 def chain_parents(first: int, k: int) -> list[int]:

@@ -117,6 +117,10 @@ class Drafters:
     def all(self) -> list:
         return self.expanders + ([self.mtp] if self.mtp is not None else [])
 
+    def forwards(self) -> int:
+        """Model-drafter forwards (strong drafter, MTP head) run so far."""
+        return sum(getattr(d, "calls", 0) for d in self.all)
+
     def observe(self, history: History, new_tokens: int) -> None:
         """Every drafter learns of the tokens just committed."""
         for d in self.all:

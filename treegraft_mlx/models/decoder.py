@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..kernels import tree_attention, windowed
+from .forward import Forward
 from .moe import MoE, stack_experts
 from .rope import Positions, RoPE, RopeSpec, rope_spec
 
@@ -256,6 +257,12 @@ class Model(nn.Module):
         """
         h = self.run_layers(self.embed(inputs), cache, positions, mask)
         return self.head(h, logits_rows)
+
+    def forward(self, inputs: mx.array, cache=None, positions: Optional[mx.array] = None,
+                mask=None) -> Forward:
+        """A block's last-layer hidden states and the head over chosen rows (models/forward.py);
+        the block stays pending in `cache` as in `__call__`."""
+        return Forward(self.run_layers(self.embed(inputs), cache, positions, mask)[0], self.head)
 
     def run_layers(self, h: mx.array, cache: Optional[KVCache] = None,
                    positions: Optional[mx.array] = None, mask=None) -> mx.array:
