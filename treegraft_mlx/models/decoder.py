@@ -22,6 +22,7 @@ from ..kernels import tree_attention, windowed
 from .forward import Forward
 from .moe import MoE, stack_experts
 from .rope import Positions, RoPE, RopeSpec, rope_spec
+from .segments import Segment, Segments
 
 # What each supported `model_type` changes relative to plain Llama.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -163,13 +164,23 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if isinstance(cache, Segments):  # a packed forward: per request from here on
+            out = cache.each(lambda s, q, k, v: self.attend_block(
+                q, k, v, s.positions, s.mask, s.cache, layer, s.first_key), q, k, v)
+        else:
+            out = self.attend_block(q, k, v, positions, mask, cache, layer, first_key)
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+
+    def attend_block(self, q: mx.array, k: mx.array, v: mx.array, positions: Positions, mask,
+                     cache: Optional[KVCache], layer: int, first_key: int) -> mx.array:
+        """One request's normed q, k, v (1, heads, L, head_dim): RoPE at its positions, its
+        cache, its mask; the attention output (1, heads, L, head_dim)."""
         q, k = self.rope(q, positions), self.rope(k, positions)
         if cache is not None:
             k, v = cache.write(layer, k, v)
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
-        out = tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
-        return out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
 
 
 class MLP(nn.Module):
@@ -274,6 +285,29 @@ class Model(nn.Module):
             else:
                 h = layer(h, pos, mask, cache, i)
         return h
+
+    def run_packed(self, h: mx.array, blocks: list) -> mx.array:
+        """The decoder layers over several requests' rows (`packed.RequestBlock`s, in row order):
+        each request's positions, masks and window built as `block_masks` builds a single
+        forward's; attention per request (models/segments.py), everything else on all rows."""
+        full, local = self.segments(h, blocks)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, None, None, local if layer.sliding else full, i)
+        return h
+
+    def segments(self, h: mx.array, blocks: list) -> tuple[Segments, Segments]:
+        """Each request's view for full and for sliding-window layers; both views of a
+        request share one `shared` dict (Gemma 4's KV sharing spans both kinds of layer)."""
+        full, local, start = [], [], 0
+        for b in blocks:
+            end = start + b.rows
+            pos, mask, win = self.block_masks(h[:, start:end], b.cache, b.positions, b.mask)
+            seg = Segment(start, end, b.cache, pos, mask)
+            full.append(seg)
+            local.append(seg if win is None else
+                         Segment(start, end, b.cache, pos, win.mask, win.first_key, seg.shared))
+            start = end
+        return Segments(full), Segments(local)
 
     def block_masks(self, h: mx.array, cache, positions: Optional[mx.array], mask):
         """A block's positions, its mask (causal by default for several rows) and, where a

@@ -32,6 +32,7 @@ from ..kernels import tree_attention
 from ..layered_cache import LayeredCache
 from .decoder import Model, ModelArgs, sliding_layers
 from .rope import Positions, RoPE, RopeSpec, rope_spec
+from .segments import Segments
 
 FAMILIES: dict[str, dict[str, Any]] = {t: {"tie_word_embeddings": True}
                                        for t in ("gemma4_text", "gemma4")}
@@ -233,24 +234,48 @@ class Gemma4Attention(nn.Module):
 
     def queries(self, x: mx.array, positions: Positions) -> mx.array:
         """Normed, rotated queries (B, heads, L, head_dim)."""
+        return self.rope(self.normed_queries(x), positions)
+
+    def normed_queries(self, x: mx.array) -> mx.array:
+        """Normed queries before RoPE (B, heads, L, head_dim)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim))
-        return self.rope(q.transpose(0, 2, 1, 3), positions)
+        return q.transpose(0, 2, 1, 3)
 
     def keys_values(self, x: mx.array, positions: Positions) -> tuple[mx.array, mx.array]:
         """This layer's own keys (normed, rotated) and values (normed), (B, heads, L, dim)."""
+        k, v = self.normed_keys_values(x)
+        return self.rope(k, positions), v
+
+    def normed_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """This layer's own keys (normed, before RoPE) and values (normed), (B, heads, L,
+        dim)."""
         B, L, _ = x.shape
         raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(raw.shape) if "v_proj" in self else raw
-        k = self.rope(self.k_norm(raw).transpose(0, 2, 1, 3), positions)
-        return k, mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3)
+        return (self.k_norm(raw).transpose(0, 2, 1, 3),
+                mx.fast.rms_norm(v, None, self.eps).transpose(0, 2, 1, 3))
 
     def __call__(self, x, positions: Positions, mask, cache, layer: int, first_key: int,
                  shared: dict) -> mx.array:
         B, L, _ = x.shape
-        q = self.queries(x, positions)
-        if "k_proj" in self:
-            k, v = self.keys_values(x, positions)
+        q = self.normed_queries(x)
+        k, v = self.normed_keys_values(x) if "k_proj" in self else (None, None)
+        if isinstance(cache, Segments):  # a packed forward: per request from here on
+            out = cache.each(lambda s, q, k, v: self.attend_block(
+                q, k, v, s.positions, s.mask, s.cache, layer, s.first_key, s.shared), q, k, v)
+        else:
+            out = self.attend_block(q, k, v, positions, mask, cache, layer, first_key, shared)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend_block(self, q: mx.array, k: Optional[mx.array], v: Optional[mx.array],
+                     positions: Positions, mask, cache, layer: int, first_key: int,
+                     shared: dict) -> mx.array:
+        """One request's normed queries (and, in a producer layer, keys and values) at its
+        positions, against its cache or its producer's keys and values; (1, heads, L, dim)."""
+        q = self.rope(q, positions)
+        if k is not None:
+            k = self.rope(k, positions)
             if cache is not None:
                 k, v = cache.write(layer, k, v)
             shared[layer] = (k, v)
@@ -258,8 +283,7 @@ class Gemma4Attention(nn.Module):
             k, v = shared[self.producer]
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
-        out = tree_attention(q, k, v, scale=1.0, mask=mask, softcap=None)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return tree_attention(q, k, v, scale=1.0, mask=mask, softcap=None)
 
 
 class GeluGate(nn.Module):
@@ -401,11 +425,7 @@ class Gemma4Model(Model):
     def run_layers(self, h: mx.array, cache: Optional[LayeredCache] = None,
                    positions: Optional[mx.array] = None, mask=None) -> mx.array:
         """The decoder layers over `embed`'s output; the sliding window is built once."""
-        d = self.args.hidden_size
-        per_layer = None
-        if h.shape[-1] > d:
-            h, tokens = h[..., :d], h[..., d:]
-            per_layer = self.per_layer_inputs(h, tokens)
+        h, per_layer = self.split_per_layer(h)
         pos, mask, local = self.block_masks(h, cache, positions, mask)
         shared: dict = {}
         for i, layer in enumerate(self.model.layers):
@@ -413,6 +433,23 @@ class Gemma4Model(Model):
             h = layer(h, pos, lm, cache, i, first, shared,
                       None if per_layer is None else per_layer[:, :, i])
         return h
+
+    def run_packed(self, h: mx.array, blocks: list) -> mx.array:
+        """`run_layers` over several requests' rows (packed.py): per-layer inputs on all rows,
+        attention and KV sharing per request (models/segments.py)."""
+        h, per_layer = self.split_per_layer(h)
+        full, local = self.segments(h, blocks)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, None, None, local if layer.sliding else full, i, 0, {},
+                      None if per_layer is None else per_layer[:, :, i])
+        return h
+
+    def split_per_layer(self, h: mx.array) -> tuple[mx.array, Optional[mx.array]]:
+        """`embed`'s output as the embedding and the per-layer inputs (None without PLE)."""
+        d = self.args.hidden_size
+        if h.shape[-1] == d:
+            return h, None
+        return h[..., :d], self.per_layer_inputs(h[..., :d], h[..., d:])
 
     def logits(self, h: mx.array) -> mx.array:
         out = super().logits(h)

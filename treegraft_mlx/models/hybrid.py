@@ -31,6 +31,7 @@ from .gemma import GemmaRMSNorm
 from .moe import MoE
 from .mtp import MtpHead
 from .rope import rope_spec
+from .segments import Segment, Segments
 
 FAMILIES: dict[str, dict[str, Any]] = {
     t: {"qk_norm": True} for t in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
@@ -198,10 +199,27 @@ class GatedDeltaNet(nn.Module):
                  layer: int) -> mx.array:
         L = x.shape[1]
         inputs = self.in_proj_qkv(x)[0]                                  # (L, conv_dim)
+        beta = mx.sigmoid(self.in_proj_b(x)[0].astype(mx.float32))      # (L, hv)
+        decay = mx.exp(-mx.exp(self.A_log.astype(mx.float32))
+                       * nn.softplus(self.in_proj_a(x)[0].astype(mx.float32) + self.dt_bias))
+        if isinstance(cache, Segments):  # a packed forward: per request from here on
+            out = cache.each(lambda s, i, b, d: self.recur(i, b, d, s.walk, s.cache, layer),
+                             inputs, beta, decay, axis=0)
+        else:
+            out = self.recur(inputs, beta, decay, walk, cache, layer)
+        z = self.in_proj_z(x).reshape(1, L, self.hv, self.dv)
+        y = self.norm(out[None], z).astype(x.dtype)
+        return self.out_proj(y.reshape(1, L, -1))
+
+    def recur(self, inputs: mx.array, beta: mx.array, decay: mx.array, walk: RowWalk,
+              cache: Optional["HybridCache"], layer: int) -> mx.array:
+        """One request's rows from its committed state: each row's convolution over its own
+        path's last `kernel` inputs, then the delta rule; the rows' states stay pending in
+        its cache. Returns the outputs (L, hv, dv)."""
+        L = inputs.shape[0]
         window, state = (cache.recurrent(layer) if cache is not None
                          else (mx.zeros((self.kernel - 1, inputs.shape[-1]), inputs.dtype),
                                mx.zeros((self.hv, self.dk, self.dv), mx.float32)))
-        # Each row's convolution over its own path's last `kernel` inputs.
         src = mx.concatenate([window.astype(inputs.dtype), inputs])
         taps = src[walk.windows]                                         # (L, K, conv_dim)
         w = self.conv1d.weight[:, 0, :].T                                # (K, conv_dim)
@@ -211,15 +229,10 @@ class GatedDeltaNet(nn.Module):
         q = mx.repeat(l2_normalize(q.reshape(L, self.hk, self.dk)), rep, axis=1) * self.dk ** -0.5
         k = mx.repeat(l2_normalize(k.reshape(L, self.hk, self.dk)), rep, axis=1)
         v = v.reshape(L, self.hv, self.dv)
-        beta = mx.sigmoid(self.in_proj_b(x)[0].astype(mx.float32))      # (L, hv)
-        decay = mx.exp(-mx.exp(self.A_log.astype(mx.float32))
-                       * nn.softplus(self.in_proj_a(x)[0].astype(mx.float32) + self.dt_bias))
         states, out = delta_rule_tree(walk, state, q, k, v, beta, decay)
         if cache is not None:
             cache.stash(layer, inputs, states, walk.parents)
-        z = self.in_proj_z(x).reshape(1, L, self.hv, self.dv)
-        y = self.norm(out[None], z).astype(x.dtype)
-        return self.out_proj(y.reshape(1, L, -1))
+        return out
 
 
 def delta_rule_tree(walk: RowWalk, state: mx.array, q, k, v, beta, decay
@@ -308,13 +321,33 @@ class HybridModel(Model):
                    positions: Optional[mx.array] = None, mask=None) -> mx.array:
         """The decoder layers; the block's tree walk is derived once for all linear layers
         (no sliding windows here)."""
-        L = h.shape[1]
-        pos = (cache.offset if cache is not None else 0) if positions is None else positions
-        walk = RowWalk.of(mask, L, self.args.linear_conv_kernel_dim)
-        if mask is None and L > 1:
-            mask = "causal"
+        pos, mask, walk = self.block_walk(h.shape[1], cache, positions, mask)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, pos, mask, cache, i, walk)
+        return h
+
+    def block_walk(self, rows: int, cache: Optional["HybridCache"],
+                   positions: Optional[mx.array], mask) -> tuple:
+        """A block's positions, its mask (causal by default for several rows) and its tree
+        walk."""
+        pos = (cache.offset if cache is not None else 0) if positions is None else positions
+        walk = RowWalk.of(mask, rows, self.args.linear_conv_kernel_dim)
+        if mask is None and rows > 1:
+            mask = "causal"
+        return pos, mask, walk
+
+    def run_packed(self, h: mx.array, blocks: list) -> mx.array:
+        """`run_layers` over several requests' rows (packed.py): each request's tree walk and
+        mask as a forward of it alone derives them; attention and the recurrent layers' delta
+        rule per request (models/segments.py), everything else on all rows."""
+        parts, start = [], 0
+        for b in blocks:
+            pos, mask, walk = self.block_walk(b.rows, b.cache, b.positions, b.mask)
+            parts.append(Segment(start, start + b.rows, b.cache, pos, mask, walk=walk))
+            start += b.rows
+        segments = Segments(parts)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, None, None, segments, i, None)
         return h
 
     def make_cache(self, max_len: Optional[int] = None,
