@@ -59,11 +59,12 @@ class Mutant:
 MUTANTS: tuple[Mutant, ...] = (
     # --- verify.py: the verification forward -------------------------------------------------
     Mutant("verify-pad-not-sliced", V,
-           "hidden = target.run_layers(target.embed(tokens[None]), **block)[0, :n]",
-           "hidden = target.run_layers(target.embed(tokens[None]), **block)[0]",
+           "return out.logits(slice(0, n)), (out.hidden[:n] if out.hidden is not None else None)",
+           "return out.logits(), (out.hidden if out.hidden is not None else None)",
            "dropped pad handling: the inert pad rows' logits are returned too"),
-    Mutant("verify-positions-plus-one", V, "positions=positions(parent, ctx),",
-           "positions=positions(parent, ctx + 1),", "tree positions off by one (root at ctx + 1)"),
+    Mutant("verify-positions-plus-one", V, "cache, positions(parent, ctx), attention_mask",
+           "cache, positions(parent, ctx + 1), attention_mask",
+           "tree positions off by one (root at ctx + 1)"),
     # --- verify.py: greedy acceptance ---------------------------------------------------------
     Mutant("greedy-bonus-from-root", V, "Acceptance(path, best[path[-1]])",
            "Acceptance(path, best[path[0]])",
@@ -172,8 +173,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("accept-and-commit-returns-root", P, "    return following\n",
            "    return block + [acc.bonus]\n",
            "commit (so tree_step and the decoder) also returns the root (already committed)"),
-    Mutant("decoder-stats-accepted", E, "StepStats(accepted=len(drafted),",
-           "StepStats(accepted=len(step.acceptance.path),", "accepted drafts counted with the root"),
+    Mutant("decoder-stats-accepted", E, "self._record(plan.stats(len(drafted),",
+           "self._record(plan.stats(len(step.acceptance.path),",
+           "accepted drafts counted with the root"),
+    Mutant("ar-read-packs-late", P,
+           "        if history.pending():\n            got = read_back(self.token",
+           "        if True:\n            got = read_back(self.token",
+           "a scored AR step packs its readback when read, behind the next forward already "
+           "queued, so the read waits for that forward too", ("tests/test_waits.py",)),
     Mutant("decoder-greedy-rule", P,
            "verdict = verify.queue_verdict(logits, settings, seed, drafts, scores)",
            "verdict = verify.queue_verdict(logits, SamplerSettings(), seed, drafts, scores)",

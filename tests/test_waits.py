@@ -139,3 +139,40 @@ def test_greedy_output_is_ar_s_in_both_placements(family, placement):
     for strategy in ("ngram", "treegraft"):
         got = scored[strategy][:len(expected)]
         assert np.isfinite(got).all() and np.allclose(got, expected, atol=1e-3), strategy
+
+
+def test_a_scored_ar_read_builds_nothing_behind_the_next_forward(family, placement,
+                                                                 monkeypatch):
+    """An AR step's token and score are packed when the forward is queued, not when read:
+    built at read time, the pack is a new op behind the next forward (queued before the
+    read), and reading it waits for that forward too (measured here: 3-4 ms a stretch step of
+    tg-tiny's ~22). The read converts the queued pack alone; the token and score it gives are
+    those read separately. With prefetches waiting, the read packs them (the decoder then
+    queues nothing behind the forward: Decoder._ar_step)."""
+    from treegraft_mlx import readback
+    from treegraft_mlx.session import Session
+    from treegraft_mlx.step import ArForward
+
+    settings = SamplerSettings(temp=0.8)
+    session = Session(family)
+    root = session.prefill(family.tokenizer.encode(PROMPT), settings, np.random.default_rng(0))
+    history = session.history
+    forward = ArForward(family.target, session.cache, settings, mx.random.key(3), session.saw,
+                        True)
+    queued = forward(mx.array(root))
+    after = forward(queued.token)
+    built: list[int] = []
+    real_pack = readback.pack
+    monkeypatch.setattr(readback, "pack", lambda *p: built.append(len(p)) or real_pack(*p))
+    assert not history.pending()
+    want_token = int(queued.token.item())
+    want_score = queued.score.finish(np.array(queued.score.part.reshape(-1)), [want_token])
+    with Waits() as waits:
+        token = queued.read(history)
+    assert built == [] and waits.snapshot()[0] == 1
+    assert token == want_token and history.lp[history.committed] == pytest.approx(want_score[0])
+    history.extend([token])
+    history.prefetch([0, 1, 2])
+    assert history.pending()
+    after.read(history)
+    assert built == [3]                            # token, score and the one prefetch

@@ -54,8 +54,7 @@ class Decoder:
         return self.drafters.forwards() - self._calls_before
 
     @property
-    def _scored(self) -> Optional[History]:
-        """The history, where the strategy scores it (its AR tokens' scores come with them)."""
+    def _scored(self) -> Optional[History]:   # where AR tokens' scores come with them
         return self.session.history if self.strategy.scores_history else None
 
     def _record(self, stats: StepStats, sources: list[str]) -> None:
@@ -106,7 +105,8 @@ class Decoder:
         token confirms keeps its drafts (returned) for the next step."""
         ahead = queued is not None
         queued = queued or forward(mx.array(plan.tree.token[0]))
-        after = forward(queued.token) if plan.ahead else None
+        waiting = self._scored is not None and self._scored.pending()   # see Queued.read
+        after = forward(queued.token) if plan.ahead and not waiting else None
         nxt = queued.read(self._scored)
         t = self.clock()
         self.session.history.extend([nxt])

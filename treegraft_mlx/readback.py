@@ -14,12 +14,23 @@ import numpy as np
 EXACT_INTS = 2 ** 24
 
 
+def pack(*parts: mx.array) -> mx.array:
+    """The parts flattened to float32 and joined, lazily: one array to read back. Built when
+    the parts are queued, it is queued with them: built at read time, it would be a new op
+    behind whatever was queued since (the next AR forward), and reading it would wait for
+    that forward too."""
+    flat = [p.astype(mx.float32).reshape(-1) for p in parts]
+    return mx.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+def unpack(values: np.ndarray, parts: tuple[mx.array, ...]) -> list[np.ndarray]:
+    """A packed readback split back into its parts (flat float32)."""
+    return np.split(values, np.cumsum([p.size for p in parts])[:-1])
+
+
 def read_back(*parts: mx.array) -> list[np.ndarray]:
     """The parts, evaluated and read in one wait, each flattened to float32 in numpy."""
-    flat = [p.astype(mx.float32).reshape(-1) for p in parts]
-    values = np.array(mx.concatenate(flat) if len(flat) > 1 else flat[0])
-    cuts = np.cumsum([f.size for f in flat])[:-1]
-    return np.split(values, cuts)
+    return unpack(np.array(pack(*parts)), parts)
 
 
 def ints(values: np.ndarray) -> list[int]:

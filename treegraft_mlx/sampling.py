@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -86,7 +87,7 @@ def _compiled_sampler(s: SamplerSettings):
                                                                 key=key))
 
 
-def sample_token(logits: mx.array, s: SamplerSettings, key: mx.array) -> mx.array:
+def sample_token(logits: mx.array, s: SamplerSettings, key: Optional[mx.array]) -> mx.array:
     """A lazily evaluated draw from the processed distribution (argmax when greedy): what the
     pipelined AR step queues before the previous token is read back."""
     if s.greedy:

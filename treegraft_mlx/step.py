@@ -17,7 +17,7 @@ import numpy as np
 from . import verify
 from .drafters import Drafters, QueuedChain
 from .history import History, QueuedScores, queue_scores
-from .readback import ints, read_back
+from .readback import ints, pack, read_back, unpack
 from .sampling import SamplerSettings, sample_token
 from .session import Session
 from .tree import STRONG, DraftTree
@@ -58,19 +58,25 @@ AR_STEP = StepStats(accepted=0, nodes_verified=1, nodes_built=1, layers=[], t_dr
 @dataclass
 class Queued:
     """A target forward of one token, queued: its next token (lazy) and, where the history
-    is scored, that token's score after this row (queued: history.queue_scores)."""
+    is scored, that token's score after this row (queued: history.queue_scores), packed for
+    the readback when they were queued (readback.pack)."""
 
     token: mx.array
     score: Optional[QueuedScores] = None
+    packed: Optional[mx.array] = None    # pack(token, score.part), queued with the forward
 
     def read(self, history: Optional[History] = None) -> int:
         """The next token, in one wait. With `history` (a scored one), the same readback
         carries the row's score, kept at the root's position, and the history's queued
-        prefetches."""
+        prefetches, if any: those are packed now, so nothing may be queued behind this
+        forward then (Decoder._ar_step queues no next forward while prefetches wait)."""
         if history is None or self.score is None:
             return int(self.token.item())
-        got = read_back(self.token, self.score.part, *history.pending())
-        history.collect(got[2:])
+        if history.pending():
+            got = read_back(self.token, self.score.part, *history.pending())
+            history.collect(got[2:])
+        else:
+            got = unpack(np.array(self.packed), (self.token, self.score.part))
         token = ints(got[0])[0]
         history.keep(history.committed, self.score.finish(got[1], [token]))
         return token
@@ -94,11 +100,17 @@ class ArForward:
         if out.hidden is not None:
             self.saw(self.cache.offset, out.hidden)
         self.cache.commit()
-        self.key, sub = mx.random.split(self.key)
+        sub = None
+        if not self.settings.greedy:    # a key split is an op a step, too: greedy needs none
+            self.key, sub = mx.random.split(self.key)
         nxt = sample_token(logits, self.settings, sub)
-        score = queue_scores(logits[None], nxt.reshape(1)) if self.scores else None
-        mx.async_eval(nxt, *([] if score is None else [score.part]))
-        return Queued(nxt, score)
+        if not self.scores:
+            mx.async_eval(nxt)
+            return Queued(nxt)
+        score = queue_scores(logits[None], nxt.reshape(1))
+        packed = pack(nxt, score.part)
+        mx.async_eval(nxt, packed)
+        return Queued(nxt, score, packed)
 
 
 def commit(session: Session, drafters: Drafters, tree: DraftTree, walked: verify.Walked,
