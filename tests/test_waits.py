@@ -17,7 +17,6 @@ import pytest
 from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import history as history_module
-from treegraft_mlx import step as step_module
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.engine import stream_generate
 from treegraft_mlx.pricing import CallPolicy
@@ -57,7 +56,6 @@ def placement(request, monkeypatch) -> str:
     if request.param == "gpu":
         monkeypatch.setattr(verify_module, "on_gpu", lambda: True)
         monkeypatch.setattr(history_module, "on_gpu", lambda: True)
-        monkeypatch.setattr(step_module, "on_gpu", lambda: True)
     return request.param
 
 
@@ -150,9 +148,7 @@ def test_a_scored_ar_read_builds_nothing_behind_the_next_forward(family, placeme
     read), and reading it waits for that forward too (measured here: 3-4 ms a stretch step of
     tg-tiny's ~22). The read converts the queued pack alone; the token and score it gives are
     those read separately. With prefetches waiting, the read packs them (the decoder then
-    queues nothing behind the forward: Decoder._ar_step). On MLX's CPU backend the row is
-    deferred instead (ArForward): the read is the token's alone, and its score, computed
-    when first read, is the same."""
+    queues nothing behind the forward: Decoder._ar_step)."""
     from treegraft_mlx import readback
     from treegraft_mlx.session import Session
     from treegraft_mlx.step import ArForward
@@ -170,18 +166,13 @@ def test_a_scored_ar_read_builds_nothing_behind_the_next_forward(family, placeme
     monkeypatch.setattr(readback, "pack", lambda *p: built.append(len(p)) or real_pack(*p))
     assert not history.pending()
     want_token = int(queued.token.item())
-    logits = family.target(mx.array([history.tokens + [want_token]]))[0, len(history.tokens) - 1]
-    want_score = history_module.host_followed_logprobs(np.array(logits[None]),
-                                                       np.array([want_token]))[0]
-    at = history.committed
+    want_score = queued.score.finish(np.array(queued.score.part.reshape(-1)), [want_token])
     with Waits() as waits:
         token = queued.read(history)
-    assert built == [] and waits.snapshot()[0] == 1 and token == want_token
+    assert built == [] and waits.snapshot()[0] == 1
+    assert token == want_token and history.lp[history.committed] == pytest.approx(want_score[0])
     history.extend([token])
-    assert queued.reads_pending == (placement == "gpu")
     history.prefetch([0, 1, 2])
-    if placement == "gpu":
-        assert history.pending()
-        after.read(history)
-        assert built == [3]                        # token, score and the one prefetch
-    assert history.scores(at + 1)[at] == pytest.approx(want_score, abs=1e-4)
+    assert history.pending()
+    after.read(history)
+    assert built == [3]                            # token, score and the one prefetch

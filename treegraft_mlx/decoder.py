@@ -105,7 +105,7 @@ class Decoder:
         token confirms keeps its drafts (returned) for the next step."""
         ahead = queued is not None
         queued = queued or forward(mx.array(plan.tree.token[0]))
-        waiting = queued.reads_pending and self._scored.pending()   # see Queued.read
+        waiting = self._scored is not None and self._scored.pending()   # see Queued.read
         after = forward(queued.token) if plan.ahead and not waiting else None
         nxt = queued.read(self._scored)
         t = self.clock()

@@ -15,10 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import verify
-from .device import on_gpu
 from .drafters import Drafters, QueuedChain
 from .history import History, QueuedScores, queue_scores
-from .models.forward import Forward
 from .readback import ints, pack, read_back, unpack
 from .sampling import SamplerSettings, sample_token
 from .session import Session
@@ -60,30 +58,20 @@ AR_STEP = StepStats(accepted=0, nodes_verified=1, nodes_built=1, layers=[], t_dr
 @dataclass
 class Queued:
     """A target forward of one token, queued: its next token (lazy) and, where the history
-    is scored, either that token's score after this row (queued: history.queue_scores),
-    packed for the readback when they were queued (readback.pack), or the row's hidden
-    state, which the history keeps deferred (`deferred`: MLX's CPU backend, ArForward)."""
+    is scored, that token's score after this row (queued: history.queue_scores), packed for
+    the readback when they were queued (readback.pack)."""
 
     token: mx.array
     score: Optional[QueuedScores] = None
     packed: Optional[mx.array] = None    # pack(token, score.part), queued with the forward
-    deferred: Optional[Forward] = None   # the forward whose hidden row the history defers
-
-    @property
-    def reads_pending(self) -> bool:
-        """Whether reading it also reads the history's queued prefetches: then nothing may
-        be queued behind it (they are packed at read time; Decoder._ar_step)."""
-        return self.score is not None
 
     def read(self, history: Optional[History] = None) -> int:
         """The next token, in one wait. With `history` (a scored one), the same readback
         carries the row's score, kept at the root's position, and the history's queued
-        prefetches, if any; or the row is deferred."""
+        prefetches, if any: those are packed now, so nothing may be queued behind this
+        forward then (Decoder._ar_step queues no next forward while prefetches wait)."""
         if history is None or self.score is None:
-            token = int(self.token.item())
-            if history is not None and self.deferred is not None:
-                history.defer(history.committed, self.deferred.hidden, self.deferred.head)
-            return token
+            return int(self.token.item())
         if history.pending():
             got = read_back(self.token, self.score.part, *history.pending())
             history.collect(got[2:])
@@ -97,16 +85,9 @@ class Queued:
 class ArForward:
     """Queues one AR forward: the token's logits, the next token drawn on the device (argmax,
     or the processed distribution with the next key) and, where `scores`, the history's score
-    of it, all evaluated asynchronously, so the host can queue the following forward or draft
-    while it runs. The token's hidden state goes to `saw` (Session.saw: an MTP head drafts
-    from it).
-
-    Where the score comes from depends on the device. On a GPU it is computed from the
-    logits row the forward made, on the device, and a few floats leave with the token. On
-    MLX's CPU backend that would read the whole row back and score it in numpy on every
-    step, host work a CPU cannot overlap with the forward (measured: 5% of a stretch step of
-    tg-tiny, whose `ngram` stretches then ran at 0.95x `ar`); the row's hidden state is kept
-    deferred instead and scored only if a drafter reads it (History.prefetch)."""
+    of it from the same logits row, all evaluated asynchronously, so the host can queue the
+    following forward or draft while it runs. The token's hidden state goes to `saw`
+    (Session.saw: an MTP head drafts from it)."""
 
     def __init__(self, target, cache, settings: SamplerSettings, key: mx.array,
                  saw: Callable[[int, mx.array], None], scores: bool = False):
@@ -126,9 +107,6 @@ class ArForward:
         if not self.scores:
             mx.async_eval(nxt)
             return Queued(nxt)
-        if out.hidden is not None and not on_gpu():
-            mx.async_eval(nxt, out.hidden)
-            return Queued(nxt, deferred=out)
         score = queue_scores(logits[None], nxt.reshape(1))
         packed = pack(nxt, score.part)
         mx.async_eval(nxt, packed)
