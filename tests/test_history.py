@@ -46,14 +46,20 @@ def test_deferred_rows_are_scored_against_the_tokens_that_followed():
     assert h.logprob(35) == 0.0
 
 
+def deferred_logits(seed: int, length: int, capacity: int) -> tuple[History, list[float]]:
+    """A history of `length` random tokens whose rows are random logits, all deferred, and
+    the reference score of every position but the last."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 64, length).tolist()
+    rows = rng.normal(0, 2, (length - 1, 64)).astype(np.float32)
+    h = History(tokens, capacity=capacity)
+    h.defer(0, mx.array(rows), history_module.as_logits)
+    return h, [reference(rows[p], tokens[p + 1]) for p in range(length - 1)]
+
+
 def test_deferred_rows_past_the_capacity_grow_the_scores():
     """AR steps defer rows past the history's first capacity (a long generation)."""
-    rng = np.random.default_rng(2)
-    tokens = rng.integers(0, 64, 24).tolist()
-    rows = rng.normal(0, 2, (23, 64)).astype(np.float32)
-    h = History(tokens, capacity=4)
-    h.defer(0, mx.array(rows), history_module.as_logits)
-    want = [reference(rows[p], tokens[p + 1]) for p in range(23)]
+    h, want = deferred_logits(seed=2, length=24, capacity=4)
     assert np.allclose(h.scores(23), want, atol=1e-4)
 
 
@@ -101,12 +107,7 @@ def test_a_queued_prefetch_reads_the_mean_of_the_prompt_rows_read_back():
     """Until its readback, a queued position reads as the mean score of the prompt rows
     already read back (0.0, a certain token, would make first reads look sure); a position
     never queued still reads 0.0."""
-    rng = np.random.default_rng(5)
-    tokens = rng.integers(0, 64, 40).tolist()
-    rows = rng.normal(0, 2, (39, 64)).astype(np.float32)
-    h = History(tokens, capacity=64)
-    h.defer(0, mx.array(rows), history_module.as_logits)
-    want = [reference(rows[p], tokens[p + 1]) for p in range(39)]
+    h, want = deferred_logits(seed=5, length=40, capacity=64)
     h.prefetch([1, 2])
     h.collect(read_back(*h.pending()))
     h.prefetch([7])
