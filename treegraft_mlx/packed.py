@@ -12,44 +12,18 @@ own cache exactly as a forward of it alone leaves it, for its own `commit` / `ke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from .models.decoder import Model
+from .parts import Ran, RequestBlock
 from .models.gemma4_assistant import Gemma4Assistant
 
 
 class PackError(ValueError):
     """A model or a block a packed forward cannot take (the request then runs alone)."""
-
-
-@dataclass(frozen=True)
-class RequestBlock:
-    """One request's rows: tokens (L,), its cache, positions (None: contiguous after the
-    cache), mask (None: causal for several rows; a TreeMask for a tree), and the rows whose
-    logits are wanted (None: all), as a forward of this request alone takes them."""
-
-    tokens: Any                         # (L,) token ids: a list or an mx.array
-    cache: Any
-    positions: Optional[mx.array] = None
-    mask: Any = None
-    logits_rows: Any = None            # a sequence of ints or an int array
-
-    @property
-    def rows(self) -> int:
-        return len(self.tokens)
-
-    def wanted(self) -> mx.array:
-        """The rows whose logits are returned, as block rows (int32, on the device: an array
-        of rows is never read back)."""
-        if self.logits_rows is None:
-            return mx.arange(self.rows, dtype=mx.int32)
-        return mx.array(self.logits_rows).astype(mx.int32).reshape(-1)
-
-    def ids(self) -> mx.array:
-        return mx.array(self.tokens).astype(mx.int32).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -59,6 +33,12 @@ class Packed:
 
     logits: list
     hidden: list
+
+
+def run_together(model: Model, blocks: Sequence[RequestBlock]) -> list[Ran]:
+    """packed_forward, each block's share as a forward of it alone would give it (run_alone)."""
+    out = packed_forward(model, blocks)
+    return [Ran(logits[0], hidden[0], model.head) for logits, hidden in zip(out.logits, out.hidden)]
 
 
 def refusal(model) -> Optional[str]:

@@ -17,7 +17,9 @@ import numpy as np
 from .drafters import AssistantDrafter, ModelDrafter, MtpDrafter, NgramDrafter, is_assistant
 from .family import Family, TreeConfig
 from .history import History, as_logits
-from .sampling import SamplerSettings, pick
+from .readback import ints
+from .sampling import SamplerSettings, sample_token
+from .parts import Part, Ran, Read, RequestBlock, alone
 
 PREFILL_CHUNK = 512
 
@@ -58,22 +60,21 @@ class Session:
             if hasattr(drafter, "feed"):
                 drafter.feed(start, hidden if rows is None else hidden[mx.array(rows)])
 
-    def _prefill_chunk(self, history: History, start: int, chunk: list[int]) -> mx.array:
-        """Run one chunk of the prompt into the cache; its rows' scores are deferred
-        (History.defer) where the target exposes its hidden states, so only the last row's
-        logits are computed now (what `mlx_lm` computes); a pipeline target, whose head runs
-        on its last rank, returns every row's logits, and those are deferred instead."""
-        out = self.family.target.forward(mx.array([chunk]), self.cache)
+    def _prefilled(self, history: History, start: int, ran: Ran) -> mx.array:
+        """One chunk of the prompt ran into the cache (its block asked for its last row's
+        logits); its rows' scores are deferred (History.defer) where the target exposes its
+        hidden states, so only the last row's logits are computed now (what `mlx_lm`
+        computes); a pipeline target, whose head runs on its last rank, returns every row's
+        logits, and those are deferred instead. Returns the last row's logits."""
         self.cache.commit()
-        if out.hidden is None:
-            logits = out.logits()
-            mx.eval(logits)
-            history.defer(start, logits, as_logits)
-            return logits[-1]
-        self.saw(start, out.hidden)
-        last = out.logits(slice(-1, None))[-1]
-        mx.eval(out.hidden, last)
-        history.defer(start, out.hidden, out.head)
+        if ran.hidden is None:
+            mx.eval(ran.all_logits)
+            history.defer(start, ran.all_logits, as_logits)
+            return ran.all_logits[-1]
+        self.saw(start, ran.hidden)
+        last = ran.logits[-1]
+        mx.eval(ran.hidden, last)
+        history.defer(start, ran.hidden, ran.head)
         return last
 
     def reusable(self, ids: list[int]) -> int:
@@ -88,6 +89,11 @@ class Session:
 
         Afterwards history = prompt + [first token] (pending) and every drafter is in sync.
         """
+        return alone(self.family.target, self.prefill_part(ids, settings, rng))
+
+    def prefill_part(self, ids: list[int], settings: SamplerSettings,
+                     rng: np.random.Generator) -> Part:
+        """`prefill` as a step part (step.py): one block a chunk, then the first token's read."""
         keep = self.cache.rewindable(self.reusable(ids))
         history = History(ids, capacity=len(ids) + 1024)
         if keep:
@@ -97,8 +103,11 @@ class Session:
             self.mtp.rewind(keep)
         last = None
         for start in range(keep, len(ids), PREFILL_CHUNK):
-            last = self._prefill_chunk(history, start, ids[start:start + PREFILL_CHUNK])
-        root = pick(last, settings, rng)
+            chunk = ids[start:start + PREFILL_CHUNK]
+            ran = yield RequestBlock(chunk, self.cache, logits_rows=[len(chunk) - 1])
+            last = self._prefilled(history, start, ran)
+        key = None if settings.greedy else mx.random.key(int(rng.integers(2**31)))
+        root = ints((yield Read((sample_token(last, settings, key),)))[0])[0]
         history.extend([root])
         self.history = history
         self.ngram.reset()

@@ -3,6 +3,8 @@
 Each step waits on the device once (docs/design.md §20): a tree step reads its verdict, its
 chain's tokens and the history's queued scores in one readback; an AR step reads its token
 and that token's score together.
+
+Both run as parts (parts.py), so the batch (batch.py) runs the very same code.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import numpy as np
 from . import verify
 from .drafters import Drafters, QueuedChain
 from .history import History, QueuedScores, queue_scores
+from .parts import Part, Ran, Read, RequestBlock, alone, run_alone
 from .readback import ints, pack, read_back, unpack
 from .sampling import SamplerSettings, sample_token
 from .session import Session
 from .tree import STRONG, DraftTree
-from .verify import Acceptance, verify_hidden
+from .verify import Acceptance, tree_block
 
 
 @dataclass
@@ -73,12 +76,21 @@ class Queued:
         if history is None or self.score is None:
             return int(self.token.item())
         if history.pending():
-            got = read_back(self.token, self.score.part, *history.pending())
-            history.collect(got[2:])
-        else:
-            got = unpack(np.array(self.packed), (self.token, self.score.part))
+            return self.finish(read_back(*self.parts(history)), history)
+        return self.finish(unpack(np.array(self.packed), (self.token, self.score.part)), history)
+
+    def parts(self, history: Optional[History] = None) -> tuple:
+        """What `read` reads back, for a readback shared with other requests' (batch.py)."""
+        if history is None or self.score is None:
+            return (self.token,)
+        return (self.token, self.score.part, *history.pending())
+
+    def finish(self, got: list[np.ndarray], history: Optional[History] = None) -> int:
+        """The token from the values of `parts`; the score and prefetches go to `history`."""
         token = ints(got[0])[0]
-        history.keep(history.committed, self.score.finish(got[1], [token]))
+        if history is not None and self.score is not None:
+            history.collect(got[2:])
+            history.keep(history.committed, self.score.finish(got[1], [token]))
         return token
 
 
@@ -95,10 +107,17 @@ class ArForward:
         self.saw, self.scores = saw, scores
 
     def __call__(self, token: mx.array) -> Queued:
-        out = self.target.forward(token.reshape(1, 1), self.cache)
-        logits = out.logits()[-1]
-        if out.hidden is not None:
-            self.saw(self.cache.offset, out.hidden)
+        return self.queue(run_alone(self.target, self.block(token)))
+
+    def block(self, token) -> RequestBlock:
+        """The AR row of `token` (an int or a lazy token on the device)."""
+        return RequestBlock(mx.array(token).reshape(1), self.cache, logits_rows=[0])
+
+    def queue(self, ran: Ran) -> Queued:
+        """The forward of `block` ran (queued): commit its row, queue the next token."""
+        logits = ran.logits[-1]
+        if ran.hidden is not None:
+            self.saw(self.cache.offset, ran.hidden)
         self.cache.commit()
         sub = None
         if not self.settings.greedy:    # a key split is an op a step, too: greedy needs none
@@ -149,18 +168,30 @@ def tree_step(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
               chain: Optional[QueuedChain] = None, scores: bool = True) -> VerifiedStep:
     """The step every loop shares (decoding and both calibrations): verify `tree` in one
     forward of `rows` rows, accept by the regime's rule, commit (keeping the path's scores
-    where `scores`). The host waits once: the verdict of every row (verify.queue_verdict),
-    a `chain` queued on the device beside the tree (verified in the same forward, as a
-    branch from the root) and the history's queued prefetches come back in one readback;
-    then the chain joins `tree` (DraftTree.append_chain) and the host walks it."""
+    where `scores`), by itself (tree_part)."""
+    return alone(session.family.target, tree_part(session, drafters, tree, rows, settings, rng,
+                                                  clock, chain, scores))
+
+
+def tree_part(session: Session, drafters: Drafters, tree: DraftTree, rows: int,
+              settings: SamplerSettings, rng: np.random.Generator,
+              clock: Callable[[], float] = time.perf_counter,
+              chain: Optional[QueuedChain] = None, scores: bool = True) -> Part:
+    """tree_step as a part. The host waits once: the verdict of every row
+    (verify.queue_verdict), a `chain` queued on the device beside the tree (verified in the
+    same forward, as a branch from the root) and the history's queued prefetches come back in
+    one readback; then the chain joins `tree` (DraftTree.append_chain) and the host walks it."""
     t0 = clock()
     history, n_tree = session.history, len(tree)
-    logits, hidden = verify_hidden(session.family.target, session.cache, tree, rows, chain)
+    block = tree_block(session.cache, tree, rows, chain)
+    ran = yield block
+    n = len(block.logits_rows)
+    logits, hidden = ran.logits, (ran.hidden[:n] if ran.hidden is not None else None)
     seed = None if settings.greedy else int(rng.integers(2**31))
     drafts = verify.SampledDrafts.of_chain(chain, n_tree)
     verdict = verify.queue_verdict(logits, settings, seed, drafts, scores)
     parts = [*verdict.parts] + ([chain.tokens] if chain is not None else [])
-    got = read_back(*parts, *history.pending())
+    got = yield Read((*parts, *history.pending()))
     history.collect(got[len(parts):])
     if chain is not None:
         tree.append_chain(ints(got[len(parts) - 1]), STRONG, drawn=drafts is not None)

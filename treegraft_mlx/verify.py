@@ -32,6 +32,7 @@ import numpy as np
 from .cache import KVCache
 from .drafters import QueuedChain
 from .device import on_gpu
+from .parts import RequestBlock, run_alone
 from .history import host_followed_logprobs, host_logsumexp, scores_of
 from .sampling import SamplerSettings, draw, host_probs, processed_logits
 from .tree import DraftTree, attention_mask, positions
@@ -60,16 +61,27 @@ def verify_hidden(target, cache: KVCache, tree: DraftTree, rows: int = 0,
     what an MTP head drafts from. The same forward as `verify`'s. With a `chain` queued on
     the device, its k tokens follow the tree's N nodes as a branch from the root (rows
     N..N+k-1, not read back: the forward is queued on them), and the rows returned are N + k."""
+    block = tree_block(cache, tree, rows, chain)
+    ran = run_alone(target, block)
+    n = len(block.logits_rows)
+    return ran.logits, (ran.hidden[:n] if ran.hidden is not None else None)
+
+
+def tree_block(cache: KVCache, tree: DraftTree, rows: int = 0,
+               chain: Optional[QueuedChain] = None) -> RequestBlock:
+    """The rows that verify `tree` (and a queued `chain` after it) after the cache: tokens,
+    positions, the tree mask, padded to `rows` with inert rows (see `verify`); the logits
+    wanted are the tree's and the chain's, never the pad's."""
     ctx, n = cache.offset, len(tree) + (len(chain) if chain is not None else 0)
     pad = max(0, rows - n)
     parent = tree.parent + chain_parents(len(tree), n - len(tree)) + [-1] * pad
     tokens = mx.array(tree.token, dtype=mx.int32)
     if chain is not None:
-        tokens = mx.concatenate([tokens, chain.tokens])
+        tokens = mx.concatenate([tokens, chain.tokens.astype(mx.int32)])
     if pad:
         tokens = mx.concatenate([tokens, mx.full((pad,), tree.token[0], dtype=mx.int32)])
-    out = target.forward(tokens[None], cache, positions(parent, ctx), attention_mask(parent, ctx))
-    return out.logits(slice(0, n)), (out.hidden[:n] if out.hidden is not None else None)
+    return RequestBlock(tokens, cache, positions(parent, ctx), attention_mask(parent, ctx),
+                        list(range(n)))
 
 
 def chain_parents(first: int, k: int) -> list[int]:
