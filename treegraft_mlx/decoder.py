@@ -4,6 +4,10 @@ Every strategy is a generator of committed token blocks: the prefill's token, th
 per target forward (its accepted drafts and bonus), so stopping, streaming and statistics are
 shared (generate.stream). The policy (policy.py) plans each step; step.py runs a tree step.
 AR steps are pipelined as in `mlx_lm`: the next forward is queued before a token is read.
+
+Decoding `together` (batch.py), the same loop also yields what its forwards and reads want
+(parts.py: a RequestBlock, then a Read, before each committed block), so a batch runs them
+with other requests'; its AR steps are then not pipelined: the batch's forward is one for all.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from .policy import STRETCH, VERIFY, Policy, StepPlan, drafters_for, make_policy
 from .sampling import SamplerSettings, device_key
 from .scheduler import Schedule
 from .session import Session
-from .step import AR_STEP, ArForward, Queued, StepStats, tree_step
+from .parts import Part, Read, alone
+from .step import AR_STEP, ArForward, Queued, StepStats, tree_part
 from .strategy import Strategy, runs_on
 from .timing import StepCosts, Timing
 from .tree import SOURCES, DraftTree
@@ -36,8 +41,9 @@ class Decoder:
     def __init__(self, session: Session, strategy: Strategy, settings: SamplerSettings,
                  rng: np.random.Generator, schedule: Optional[Schedule] = None,
                  costs: Optional[StepCosts] = None, timing: Optional[Timing] = None,
-                 trace: Optional[Callable[[str], None]] = None):
+                 trace: Optional[Callable[[str], None]] = None, together: bool = False):
         strategy = runs_on(strategy, session)
+        self.together = together
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.trace, self.clock = trace, session.family.clock
         self._key = partial(device_key, rng)   # device random keys from the seeded generator
@@ -64,9 +70,16 @@ class Decoder:
         if self.trace is not None:
             self.trace(stats.trace(len(self.stats)))
 
+    def _run(self, part: Part):
+        """A step part (parts.py): by itself, or, `together`, yielding its wants to the batch."""
+        if self.together:
+            return (yield from part)
+        return alone(self.session.family.target, part)
+
     def steps(self, prompt_ids: list[int]) -> Iterator[list[int]]:
         # The prefill's token is out before a forward is queued (a CPU runs what it queues).
-        root = self.session.prefill(prompt_ids, self.settings, self.rng)
+        root = yield from self._run(self.session.prefill_part(prompt_ids, self.settings,
+                                                              self.rng))
         self.sources.append(TARGET)
         yield [root]
         forward = ArForward(self.session.family.target, self.session.cache, self.settings,
@@ -90,8 +103,9 @@ class Decoder:
     def _verify(self, plan: StepPlan):
         """Verify the plan's tree (and the chain queued beside it) in one forward, accept and
         commit (tree_step); yields the committed block, returns the next root (its bonus)."""
-        step = tree_step(self.session, self.drafters, plan.tree, plan.rows, self.settings,
-                         self.rng, self.clock, plan.chain, self.strategy.scores_history)
+        step = yield from self._run(tree_part(
+            self.session, self.drafters, plan.tree, plan.rows, self.settings, self.rng,
+            self.clock, plan.chain, self.strategy.scores_history))
         drafted = step.acceptance.path[1:]
         self._record(plan.stats(len(drafted), step.t_verify, step.t_accept),
                      [SOURCES[plan.tree.drafted_by[v]] for v in drafted] + [TARGET])
@@ -103,11 +117,14 @@ class Decoder:
         """One AR step of a tree strategy: reads the root's forward (`queued` by the step
         before, or now), the next one queued first where the plan says; else the child the
         token confirms keeps its drafts (returned) for the next step."""
-        ahead = queued is not None
-        queued = queued or forward(mx.array(plan.tree.token[0]))
-        waiting = self._scored is not None and self._scored.pending()   # see Queued.read
-        after = forward(queued.token) if plan.ahead and not waiting else None
-        nxt = queued.read(self._scored)
+        ahead, after = queued is not None, None
+        if self.together:
+            nxt = yield from self._ar_row(forward, plan.tree.token[0])
+        else:
+            queued = queued or forward(mx.array(plan.tree.token[0]))
+            waiting = self._scored is not None and self._scored.pending()   # see Queued.read
+            after = forward(queued.token) if plan.ahead and not waiting else None
+            nxt = queued.read(self._scored)
         t = self.clock()
         self.session.history.extend([nxt])
         self.drafters.observe(self.session.history, 1)
@@ -129,11 +146,15 @@ class Decoder:
             if self.trace is not None:
                 self.trace(f"stretch of {steps} AR steps")
         try:
-            queued = queued or forward(mx.array(root))
+            queued = None if self.together else queued or forward(mx.array(root))
             for _ in range(steps) if steps else count():
-                after = forward(queued.token)
-                guess = policy.guess(history) if policy else None   # while the forward runs
-                nxt = queued.read(self._scored)
+                if self.together:
+                    guess = policy.guess(history) if policy else None
+                    after, nxt = None, (yield from self._ar_row(forward, history.root))
+                else:
+                    after = forward(queued.token)
+                    guess = policy.guess(history) if policy else None   # while it runs
+                    nxt = queued.read(self._scored)
                 history.extend([nxt])
                 if policy is not None:
                     policy.saw_ar(guess, nxt)
@@ -147,3 +168,9 @@ class Decoder:
             if policy is not None:
                 policy.end_stretch()
         return history.root, queued
+
+    def _ar_row(self, forward: ArForward, token: int):
+        """One AR step `together`: its row in the batch's forward, its token (and score) in
+        the batch's readback; returns the token."""
+        queued = forward.queue((yield forward.block(token)))
+        return queued.finish((yield Read(queued.parts(self._scored))), self._scored)

@@ -72,7 +72,26 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     per-character bookkeeping cost our `ar` 2.7% in an A/B in one process.
     """
     device.warn_if_slow_blas()
-    loose = SamplerSettings(temp, top_p, top_k, min_p)
+    tracer = tracing(trace)
+    decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, tree,
+                                       session, schedule, tracer, settings,
+                                       SamplerSettings(temp, top_p, top_k, min_p))
+    t0 = time.perf_counter()
+    with device.wired_limit(), (tracer.waits if tracer else contextlib.nullcontext()):
+        for r in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0,
+                        origin=origin_of(decoder, provenance)):
+            yield dataclasses.replace(r, step_stats=decoder.stats,
+                                      drafter_calls=decoder.drafter_calls)
+
+
+def prepare(family: Family, prompt: Prompt, strategy: str, max_tokens: int,
+            seed: Optional[int], tree: Optional[TreeConfig], session: Optional[Session],
+            schedule: Optional[Schedule], trace: Optional[Callable[[str], None]],
+            settings: Optional[SamplerSettings], loose: SamplerSettings,
+            together: bool = False) -> tuple[Decoder, list[int], int]:
+    """A generation's decoder, prompt ids and max_tokens (held to the context), as
+    stream_generate takes them (`loose`: the sampler settings given one by one); decoding
+    `together` for a batch (batch.py)."""
     if settings is not None and loose != SamplerSettings():
         raise ValueError("give the sampling settings either as `settings` or one by one, not both")
     settings = settings or loose
@@ -82,28 +101,27 @@ def stream_generate(family: Family, prompt: Prompt, strategy: str = "treegraft",
     context = family.target.args.max_position_embeddings
     # Drafts are verified past the last token: leave room for one full tree path.
     max_tokens = check_context(len(ids), max_tokens, context - session.tree.depth - 1)
-    tracer = tracing(trace)
     decoder = make_decoder(session, strat, settings, np.random.default_rng(seed), schedule,
-                           tracer)
-    t0 = time.perf_counter()
-    with device.wired_limit(), (tracer.waits if tracer else contextlib.nullcontext()):
-        origin = (lambda i: decoder.sources[i]) if provenance else None
-        for r in stream(family.tokenizer, decoder.steps(ids), len(ids), max_tokens, stop, t0,
-                        origin=origin):
-            yield dataclasses.replace(r, step_stats=decoder.stats,
-                                      drafter_calls=decoder.drafter_calls)
+                           trace, together)
+    return decoder, ids, max_tokens
+
+
+def origin_of(decoder: Decoder, provenance: bool) -> Optional[Callable[[int], str]]:
+    """Where the i-th token came from, for stream's `origin`, with `provenance`."""
+    return (lambda i: decoder.sources[i]) if provenance else None
 
 
 def make_decoder(session: Session, strategy: Strategy, settings: SamplerSettings,
                  rng: np.random.Generator, schedule: Optional[Schedule] = None,
-                 trace: Optional[Callable[[str], None]] = None) -> Decoder:
+                 trace: Optional[Callable[[str], None]] = None,
+                 together: bool = False) -> Decoder:
     """A decoder with what this device measured that the strategy needs (probe.py)."""
     family, tree = session.family, session.tree
     strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
     costs = probe.step_costs(family, tree) if needs_costs(strategy, tree) else None
     timing = (probe.scheduler_timing(family, tree)
               if needs_timing(strategy, session, settings, schedule) else None)
-    return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace)
+    return Decoder(session, strategy, settings, rng, schedule, costs, timing, trace, together)
 
 
 class StepTrace:

@@ -1,0 +1,167 @@
+"""Several requests decoded together: one target forward and one readback a step for all of
+them, each request accepting, committing and streaming its own tokens.
+
+Each request is a Lane: its own Session (cache, history, drafters), its Decoder run
+`together` (decoder.py) and its stream (generate.stream: EOS, stop strings, max_tokens). A
+step collects every lane's rows (a prefill chunk, an AR row, a tree), runs them in one packed
+forward (packed.py), reads every lane's verdict back in one wait, hands each lane its values,
+and streams what each committed. A lone lane's rows run by themselves, as a forward of that
+request alone. A lane leaves at the step after its stream ends or its caller cancels it; a
+lane whose decoding fails leaves with its error, and the others go on (docs/design.md §23).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+from .decoder import Decoder
+from .engine import origin_of, prepare
+from .family import Family
+from .generate import Prompt, Response, stream
+from .packed import refusal, run_together
+from .parts import Read, RequestBlock, run_alone
+from .readback import read_back
+from .sampling import SamplerSettings
+
+
+class Inbox:
+    """The committed blocks a lane's stream reads, handed over one step at a time."""
+
+    def __init__(self):
+        self.blocks: deque = deque()
+
+    def __iter__(self) -> "Inbox":
+        return self
+
+    def __next__(self) -> list[int]:
+        return self.blocks.popleft()
+
+
+@dataclass
+class Lane:
+    """One request in a batch: its decoder, what its decoding wants now (a RequestBlock, a
+    Read or a committed block), and its stream."""
+
+    decoder: Decoder
+    wants: Iterator[Any]                 # decoder.steps(ids), decoding together
+    responses: Iterator[Response]        # its stream, fed from `inbox`
+    inbox: Inbox
+    want: Any = None
+    last: Optional[Response] = None      # the last response streamed
+    error: Optional[Exception] = None    # why its decoding failed, if it did
+    cancelled: bool = False
+    tag: Any = None                      # the caller's (the server's job)
+
+    @property
+    def done(self) -> bool:
+        return (self.cancelled or self.error is not None or
+                (self.last is not None and self.last.finish_reason is not None))
+
+    def send(self, value: Any) -> None:
+        """Hand the decoding what it asked for; keep what it asks next (or its error)."""
+        try:
+            self.want = self.wants.send(value)
+        except Exception as e:     # this request's failure, not the batch's
+            self.error = e
+
+    def close(self) -> None:
+        self.wants.close()
+        self.responses.close()
+
+
+def lane(family: Family, prompt: Prompt, strategy: str = "treegraft", max_tokens: int = 256,
+         seed: Optional[int] = None, stop: Sequence[str] = (),
+         settings: Optional[SamplerSettings] = None, provenance: bool = False,
+         tag: Any = None) -> Lane:
+    """A request for a batch, as stream_generate takes it (a fresh session of its own)."""
+    decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, None, None,
+                                       None, None, settings, SamplerSettings(), together=True)
+    inbox = Inbox()
+    responses = stream(family.tokenizer, inbox, len(ids), max_tokens, stop, time.perf_counter(),
+                       origin=origin_of(decoder, provenance))
+    new = Lane(decoder, decoder.steps(ids), responses, inbox, tag=tag)
+    new.send(None)
+    return new
+
+
+@dataclass
+class Batch:
+    """The lanes decoding together on `family`'s target, and what their forwards ran."""
+
+    family: Family
+    lanes: list[Lane] = field(default_factory=list)
+    forwards: int = 0          # target forwards this batch ran
+    rows: int = 0              # rows they ran, all lanes together
+    lanes_run: int = 0         # lanes they ran, summed over forwards
+
+    def __post_init__(self):
+        why = refusal(self.family.target)
+        if why:
+            raise ValueError(f"this target cannot decode requests together: {why}")
+
+    def add(self, new: Lane) -> None:
+        self.lanes.append(new)
+
+    def step(self) -> list[tuple[Lane, Response]]:
+        """One forward for every lane, one readback; returns each lane's new response (a
+        lane that failed or was cancelled returns none) and drops the lanes that are done."""
+        self._drop()
+        if not self.lanes:
+            return []
+        self._forward()
+        self._read()
+        out = []
+        for one in self.lanes:
+            if isinstance(one.want, list) and not one.done:
+                one.inbox.blocks.append(one.want)
+                r = self._response(one)
+                if r is not None:
+                    one.last = r
+                    out.append((one, r))
+                if not one.done:
+                    one.send(None)
+        self._drop()
+        return out
+
+    def _forward(self) -> None:
+        lanes = [one for one in self.lanes if isinstance(one.want, RequestBlock)]
+        blocks = [one.want for one in lanes]
+        if len(lanes) != len(self.lanes):
+            stuck = next(one for one in self.lanes if one not in lanes)
+            raise RuntimeError(f"a lane wants {type(stuck.want).__name__} before its forward")
+        target = self.family.target
+        ran = ([run_alone(target, blocks[0])] if len(blocks) == 1
+               else run_together(target, blocks))
+        self.forwards, self.lanes_run = self.forwards + 1, self.lanes_run + len(blocks)
+        self.rows += sum(b.rows for b in blocks)
+        for one, r in zip(lanes, ran):
+            one.send(r)
+
+    def _read(self) -> None:
+        """Every lane's Read in one wait (a lane between prefill chunks reads nothing)."""
+        reading = [one for one in self.lanes if isinstance(one.want, Read) and not one.done]
+        parts = [p for one in reading for p in one.want.parts]
+        got = read_back(*parts) if parts else []
+        at = 0
+        for one in reading:
+            n = len(one.want.parts)
+            one.send(got[at:at + n])
+            at += n
+
+    def _response(self, one: Lane) -> Optional[Response]:
+        try:
+            r = next(one.responses)
+        except Exception as e:
+            one.error = e
+            return None
+        return dataclasses.replace(r, step_stats=one.decoder.stats,
+                                   drafter_calls=one.decoder.drafter_calls)
+
+    def _drop(self) -> None:
+        for one in [one for one in self.lanes if one.done]:
+            one.close()
+        self.lanes = [one for one in self.lanes if not one.done]
