@@ -35,6 +35,7 @@ import pytest
 from scripted import deterministic
 from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import verify as verify_module
+from treegraft_mlx.batch import decode_together
 from treegraft_mlx.pricing import CallPolicy
 from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
 from treegraft_mlx.verify import Acceptance
@@ -99,17 +100,20 @@ class DraftedNodes:
         self.q, self.hit = [], []
         self.a, self.took = [], []    # at sampled drafts: min(1, p/q), committed == the draft
         self.resurrected = 0          # sampled drafts committed after failing their test
-        self.seen = None              # the last verification's logits and sampled drafts
+        # Verifications queued and not walked yet, oldest first: their logits and sampled
+        # drafts (requests decoded together queue theirs in one order and walk them in it).
+        self.seen = []
 
     def queue_verdict(self, logits, settings, seed, drafts=None, scores=True):
-        self.seen = (logits, drafts)
+        self.seen.append((logits, drafts))
         return self.verdict_rule(logits, settings, seed, drafts, scores)
 
     def walk(self, tree, verdict, settings):
         walked = self.walk_rule(tree, verdict, settings)
+        logits, drafts = self.seen.pop(0)
         if settings.greedy:
             return walked
-        acc, (logits, drafts) = walked.acceptance, self.seen
+        acc = walked.acceptance
         committed = [tree.token[n] for n in acc.path[1:]] + [acc.bonus]
         for node, token in zip(acc.path, committed):
             kids = [tree.token[c] for c in tree.children_of(node)]
@@ -168,7 +172,29 @@ def pit(p: np.ndarray, token: int, rng: np.random.Generator) -> float:
     return float(p[order[:rank]].sum() + rng.random() * p[token])
 
 
-def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUNS) -> Outcome:
+def alone(family, prompt: list[int], strategy: str, tree, session, runs: int):
+    """(seed, settings, tokens, step statistics) of each run, generated one at a time."""
+    for seed in range(runs):
+        s = FILTERS[seed % len(FILTERS)]
+        out = generate(family, prompt, strategy, max_tokens=4, seed=seed, session=session,
+                       tree=tree, settings=s)
+        yield seed, s, out.token_ids, out.step_stats
+
+
+def together(family, prompt: list[int], strategy: str, tree, runs: int, group: int = 3):
+    """`alone`'s runs decoded `group` at a time in one batch (batch.py), joining a step apart,
+    so their rows share forwards and their verdicts share readbacks."""
+    for first in range(0, runs, group):
+        seeds = range(first, min(first + group, runs))
+        requests = [dict(prompt=prompt, strategy=strategy, max_tokens=4, seed=seed, tree=tree,
+                         settings=FILTERS[seed % len(FILTERS)]) for seed in seeds]
+        for seed, responses in zip(seeds, decode_together(family, requests, range(len(seeds)))):
+            yield (seed, FILTERS[seed % len(FILTERS)], [t for r in responses for t in r.tokens],
+                   responses[-1].step_stats)
+
+
+def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUNS,
+             batched: bool = False) -> Outcome:
     drafted = DraftedNodes(verify_module.queue_verdict, verify_module.walk)
     monkeypatch.setattr(verify_module, "queue_verdict", drafted.queue_verdict)
     monkeypatch.setattr(verify_module, "walk", drafted.walk)
@@ -178,11 +204,8 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
     rows: dict[tuple, mx.array] = {}         # reference logits by output prefix
     rng = np.random.default_rng(12345)
     us, trees, accepted, rejected = [], 0, 0, 0
-    for seed in range(runs):
-        s = FILTERS[seed % len(FILTERS)]
-        out = generate(family, prompt, strategy, max_tokens=4, temp=s.temp, top_k=s.top_k,
-                       top_p=s.top_p, min_p=s.min_p, seed=seed, session=session, tree=tree)
-        toks = out.token_ids
+    for seed, s, toks, stats in (together(family, prompt, strategy, tree, runs) if batched else
+                                 alone(family, prompt, strategy, tree, session, runs)):
         assert len(toks) == 4, (strategy, seed)
         key = tuple(toks[:3])
         if key not in rows:
@@ -191,7 +214,7 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
             p = host_probs(np.array(rows[key][j]), s)
             assert p[toks[j]] > 0, (strategy, seed, j, "a filtered token was drawn")
             us.append(pit(p, toks[j], rng))
-        for st in out.step_stats:
+        for st in stats:
             if st.nodes_verified > 1:
                 trees += 1
                 accepted += st.accepted
@@ -218,8 +241,19 @@ def test_the_verdict_on_the_device_is_lossless_too(family, strategy, monkeypatch
     _check_case(family, strategy, True, monkeypatch)
 
 
-def _check_case(family, strategy: str, adaptive: bool, monkeypatch) -> None:
-    got = run_case(family, strategy, adaptive, monkeypatch)
+@pytest.mark.parametrize("strategy", ["ngram", "draft", "treegraft"])
+def test_requests_decoded_together_are_lossless_too(family, strategy, monkeypatch):
+    """Runs decoded three at a time in one batch (packed forwards, shared readbacks): the
+    same statistics. `draft` calls its drafter every step (its sampled chains beside the
+    other requests' rows)."""
+    if strategy == "draft":
+        monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    _check_case(family, strategy, True, monkeypatch, batched=True)
+
+
+def _check_case(family, strategy: str, adaptive: bool, monkeypatch,
+                batched: bool = False) -> None:
+    got = run_case(family, strategy, adaptive, monkeypatch, batched=batched)
     assert got.trees >= 20 and got.accepted >= 20 and got.rejected >= 20, got
     # Priced strong-drafter chains are sampled drafts when sampling (min(1, p/q) acceptance).
     assert (got.sampled >= 20) == (adaptive and strategy in ("draft", "treegraft")), got

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from .decoder import Decoder
 from .engine import origin_of, prepare
-from .family import Family
+from .family import Family, TreeConfig
 from .generate import Prompt, Response, stream
 from .packed import refusal, run_together
 from .parts import Read, RequestBlock, run_alone
@@ -76,9 +76,9 @@ class Lane:
 def lane(family: Family, prompt: Prompt, strategy: str = "treegraft", max_tokens: int = 256,
          seed: Optional[int] = None, stop: Sequence[str] = (),
          settings: Optional[SamplerSettings] = None, provenance: bool = False,
-         tag: Any = None) -> Lane:
+         tree: Optional[TreeConfig] = None, tag: Any = None) -> Lane:
     """A request for a batch, as stream_generate takes it (a fresh session of its own)."""
-    decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, None, None,
+    decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, tree, None,
                                        None, None, settings, SamplerSettings(), together=True)
     inbox = Inbox()
     responses = stream(family.tokenizer, inbox, len(ids), max_tokens, stop, time.perf_counter(),
@@ -106,9 +106,10 @@ class Batch:
     def add(self, new: Lane) -> None:
         self.lanes.append(new)
 
-    def step(self) -> list[tuple[Lane, Response]]:
-        """One forward for every lane, one readback; returns each lane's new response (a
-        lane that failed or was cancelled returns none) and drops the lanes that are done."""
+    def step(self) -> list[tuple[Lane, Any]]:
+        """One forward for every lane, one readback; returns each lane's new response, or
+        the exception its decoding raised (a cancelled lane returns nothing), and drops the
+        lanes that are done. A failure of the shared forward itself is raised."""
         self._drop()
         if not self.lanes:
             return []
@@ -124,6 +125,7 @@ class Batch:
                     out.append((one, r))
                 if not one.done:
                     one.send(None)
+        out += [(one, one.error) for one in self.lanes if one.error is not None]
         self._drop()
         return out
 
@@ -165,3 +167,25 @@ class Batch:
         for one in [one for one in self.lanes if one.done]:
             one.close()
         self.lanes = [one for one in self.lanes if not one.done]
+
+
+def decode_together(family: Family, requests: Sequence[dict],
+                    starts: Optional[Sequence[int]] = None) -> list[list[Response]]:
+    """Each request (`lane`'s keyword arguments) decoded in one batch, request i joining at
+    step starts[i] (default: all at once); returns each request's responses."""
+    starts = list(starts) if starts is not None else [0] * len(requests)
+    if len(starts) != len(requests):
+        raise ValueError("give one start step per request")
+    batch, waiting = Batch(family), sorted(range(len(requests)), key=lambda i: starts[i])
+    out: list[list[Response]] = [[] for _ in requests]
+    step = 0
+    while waiting or batch.lanes:
+        while waiting and starts[waiting[0]] <= step:
+            i = waiting.pop(0)
+            batch.add(lane(family, **requests[i], tag=i))
+        for one, r in batch.step():
+            if isinstance(r, Exception):
+                raise r
+            out[one.tag].append(r)
+        step += 1
+    return out

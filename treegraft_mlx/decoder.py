@@ -103,8 +103,9 @@ class Decoder:
     def _verify(self, plan: StepPlan):
         """Verify the plan's tree (and the chain queued beside it) in one forward, accept and
         commit (tree_step); yields the committed block, returns the next root (its bonus)."""
+        rows = 0 if self.together else plan.rows   # a batch's forward pads no request
         step = yield from self._run(tree_part(
-            self.session, self.drafters, plan.tree, plan.rows, self.settings, self.rng,
+            self.session, self.drafters, plan.tree, rows, self.settings, self.rng,
             self.clock, plan.chain, self.strategy.scores_history))
         drafted = step.acceptance.path[1:]
         self._record(plan.stats(len(drafted), step.t_verify, step.t_accept),

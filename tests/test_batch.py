@@ -1,0 +1,134 @@
+"""Requests decoded together (batch.py): each request's output is exactly what it decodes to
+alone, however the requests overlap, stop or fail; every step runs one forward for all."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from scripted import deterministic
+from treegraft_mlx import fixture_path, generate, load
+from treegraft_mlx.batch import Batch, decode_together, lane
+from treegraft_mlx.bench import first_per_category, read_prompts
+
+SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
+
+REPETITIVE = "a = 1\nb = 2\n" * 6
+
+
+@pytest.fixture(scope="module")
+def family():
+    return deterministic(load(fixture_path()))
+
+
+def prompts(n: int) -> list[str]:
+    return [p["prompt"] for p in first_per_category(read_prompts(SUITE), 2)][:n]
+
+
+def joined(responses) -> tuple[list[int], str, str]:
+    return ([t for r in responses for t in r.tokens], "".join(r.text for r in responses),
+            responses[-1].finish_reason)
+
+
+def alone(family, request: dict) -> tuple[list[int], str, str]:
+    out = generate(family, request["prompt"], request.get("strategy", "treegraft"),
+                   max_tokens=request["max_tokens"], stop=request.get("stop", ()))
+    return out.token_ids, out.text, out.finish_reason
+
+
+MIXES = {
+    1: ([dict(strategy="treegraft", max_tokens=48)], [0]),
+    2: ([dict(strategy="ngram", max_tokens=40), dict(strategy="ar", max_tokens=17)], [0, 3]),
+    3: ([dict(strategy="treegraft", max_tokens=64, stop=["\n\n"]),
+         dict(strategy="draft", max_tokens=5), dict(strategy="chain:3", max_tokens=30)],
+        [0, 1, 6]),
+    4: ([dict(strategy="treegraft", max_tokens=60), dict(strategy="ngram", max_tokens=33),
+         dict(strategy="ar", max_tokens=1), dict(strategy="treegraft-fixed:2,4", max_tokens=50,
+                                                 stop=["b ="])], [0, 2, 2, 9]),
+}
+
+
+@pytest.mark.parametrize("n", sorted(MIXES))
+def test_staggered_greedy_requests_equal_each_request_alone(family, n):
+    """1 to 4 requests joining at different steps, with different strategies, max_tokens and
+    stop strings, some ending early: each request's tokens, text and finish reason are what
+    it decodes to alone."""
+    requests, starts = MIXES[n]
+    texts = prompts(n - 1) + [REPETITIVE]
+    requests = [dict(r, prompt=p) for r, p in zip(requests, texts)]
+    got = decode_together(family, requests, starts)
+    for request, responses in zip(requests, got):
+        assert joined(responses) == alone(family, request), request
+
+
+def test_a_batch_runs_one_forward_for_all_its_requests(family):
+    """While several requests run, each step's forward carries all of their rows: fewer
+    forwards than the requests' steps, and the rows of every lane's block."""
+    batch = Batch(family)
+    for i, p in enumerate(prompts(3)):
+        batch.add(lane(family, p, "ngram", max_tokens=24, tag=i))
+    steps = {i: 0 for i in range(3)}
+    while batch.lanes:
+        for one, r in batch.step():
+            steps[one.tag] = r.steps
+    assert batch.lanes_run == sum(steps.values()) + 3      # each prefill ran once too
+    assert batch.forwards < batch.lanes_run
+    assert batch.rows >= batch.lanes_run                   # every lane ran a row at least
+
+
+def test_a_cancelled_request_leaves_and_the_others_finish_as_alone(family):
+    requests = [dict(prompt=p, strategy="treegraft", max_tokens=40) for p in prompts(2)]
+    batch = Batch(family)
+    lanes = [lane(family, **r, tag=i) for i, r in enumerate(requests)]
+    for one in lanes:
+        batch.add(one)
+    got = {0: [], 1: []}
+    step = 0
+    while batch.lanes:
+        if step == 3:
+            lanes[0].cancelled = True
+        for one, r in batch.step():
+            got[one.tag].append(r)
+        step += 1
+    assert lanes[0] not in batch.lanes and len(got[0]) <= 3
+    assert joined(got[1]) == alone(family, requests[1])
+
+
+def test_a_failing_request_reports_its_error_and_the_others_finish(family):
+    requests = [dict(prompt=p, strategy="ngram", max_tokens=30) for p in prompts(2)]
+    batch = Batch(family)
+    broken = lane(family, **requests[0], tag=0)
+    wants, sent = broken.wants, []
+
+    def failing():              # the lane's decoding, raising at its 7th step
+        value = yield broken.want
+        while True:
+            sent.append(value)
+            if len(sent) == 7:
+                raise RuntimeError("planted failure")
+            value = yield wants.send(value)
+
+    broken.wants = failing()
+    broken.want = next(broken.wants)
+    batch.add(broken)
+    batch.add(lane(family, **requests[1], tag=1))
+    errors, got = [], []
+    while batch.lanes:
+        for one, r in batch.step():
+            if isinstance(r, Exception):
+                errors.append((one.tag, str(r)))
+            elif one.tag == 1:
+                got.append(r)
+    assert errors == [(0, "planted failure")]
+    assert joined(got) == alone(family, requests[1])
+
+
+def test_a_target_that_cannot_pack_is_refused_with_the_reason(family):
+    class Stage:
+        pass
+
+    bad = dataclasses.replace(family, target=Stage())
+    with pytest.raises(ValueError, match="cannot decode requests together"):
+        Batch(bad)
