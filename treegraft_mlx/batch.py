@@ -5,8 +5,8 @@ Each request is a Lane: its own Session (cache, history, drafters), its Decoder 
 `together` (decoder.py) and its stream (generate.stream: EOS, stop strings, max_tokens). A
 step collects every lane's rows (a prefill chunk, an AR row, a tree), runs them in one packed
 forward (packed.py), reads every lane's verdict back in one wait, hands each lane its values,
-and streams what each committed. A lone lane's rows run by themselves, as a forward of that
-request alone. A lane leaves at the step after its stream ends or its caller cancels it; a
+and streams what each committed. A lane alone in the batch decodes exactly as a request
+alone (pipelined), and switches at the step another joins. A lane leaves at the step after its stream ends or its caller cancels it; a
 lane whose decoding fails leaves with its error, and the others go on (docs/design.md §23).
 """
 
@@ -107,14 +107,18 @@ class Batch:
         self.lanes.append(new)
 
     def step(self) -> list[tuple[Lane, Any]]:
-        """One forward for every lane, one readback; returns each lane's new response, or
-        the exception its decoding raised (a cancelled lane returns nothing), and drops the
-        lanes that are done. A failure of the shared forward itself is raised."""
+        """One forward for every lane that wants one, one readback; returns each lane's new
+        response, or the exception its decoding raised (a cancelled lane returns nothing),
+        and drops the lanes that are done. A failure of the shared forward is raised.
+
+        A lane alone in the batch decodes as a request alone does (pipelined: its generator
+        runs its own forwards and yields committed blocks); with company, together."""
         self._drop()
-        if not self.lanes:
-            return []
-        self._forward()
-        self._read()
+        for one in self.lanes:
+            one.decoder.together = len(self.lanes) > 1
+        if any(isinstance(one.want, RequestBlock) for one in self.lanes):
+            self._forward()
+            self._read()
         out = []
         for one in self.lanes:
             if isinstance(one.want, list) and not one.done:
@@ -132,9 +136,6 @@ class Batch:
     def _forward(self) -> None:
         lanes = [one for one in self.lanes if isinstance(one.want, RequestBlock)]
         blocks = [one.want for one in lanes]
-        if len(lanes) != len(self.lanes):
-            stuck = next(one for one in self.lanes if one not in lanes)
-            raise RuntimeError(f"a lane wants {type(stuck.want).__name__} before its forward")
         target = self.family.target
         ran = ([run_alone(target, blocks[0])] if len(blocks) == 1
                else run_together(target, blocks))

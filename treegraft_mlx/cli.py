@@ -265,14 +265,17 @@ def chat(source, strategy, max_tokens, temp, top_p, top_k,
 @click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(1))
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(0),
               help="Requests that may wait for the model; more are refused with 503.")
+@click.option("--max-batch", default=4, show_default=True, type=click.IntRange(1),
+              help="Requests decoded together, one forward a step for all of them (1: one "
+              "at a time). A pipelined target decodes one at a time.")
 @click.option("--timeout", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Seconds a connection may stall (sending its request, or reading the "
               "reply) before it is dropped.")
 @click.option("--api-key", envvar="TREEGRAFT_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* and /treegraft/* (also "
               "TREEGRAFT_API_KEY).")
-def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_queue, timeout,
-          api_key) -> None:
+def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_queue, max_batch,
+          timeout, api_key) -> None:
     """OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions) and a
     chat page at /."""
     from pathlib import Path
@@ -289,7 +292,8 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
         return
     model_id = Path(str(source.model)).name if source.model else "tg-tiny"
     config = ServerConfig(model_id=model_id, strategy=strategy, max_tokens_limit=max_tokens_limit,
-                          max_body_bytes=max_body_bytes, max_queue=max_queue, timeout=timeout,
+                          max_body_bytes=max_body_bytes, max_queue=max_queue,
+                          max_batch=max_batch, timeout=timeout,
                           api_key=api_key or None, note=say_if_test_model(family, "serve"))
     server = make_server(family, host, port, config)
     if config.api_key is None and not is_loopback(host):

@@ -8,6 +8,8 @@ AR steps are pipelined as in `mlx_lm`: the next forward is queued before a token
 Decoding `together` (batch.py), the same loop also yields what its forwards and reads want
 (parts.py: a RequestBlock, then a Read, before each committed block), so a batch runs them
 with other requests'; its AR steps are then not pipelined: the batch's forward is one for all.
+A batch may switch `together` between steps (a request alone in it decodes as alone, here
+pipelined); a forward still in flight at the switch is read first, and no new one queued.
 """
 
 from __future__ import annotations
@@ -119,8 +121,9 @@ class Decoder:
         before, or now), the next one queued first where the plan says; else the child the
         token confirms keeps its drafts (returned) for the next step."""
         ahead, after = queued is not None, None
-        if self.together:
-            nxt = yield from self._ar_row(forward, plan.tree.token[0])
+        if self.together:   # a forward queued before the batch took this request: read it
+            nxt = (queued.read(self._scored) if queued is not None else
+                   (yield from self._ar_row(forward, plan.tree.token[0])))
         else:
             queued = queued or forward(mx.array(plan.tree.token[0]))
             waiting = self._scored is not None and self._scored.pending()   # see Queued.read
@@ -147,12 +150,13 @@ class Decoder:
             if self.trace is not None:
                 self.trace(f"stretch of {steps} AR steps")
         try:
-            queued = None if self.together else queued or forward(mx.array(root))
             for _ in range(steps) if steps else count():
                 if self.together:
-                    guess = policy.guess(history) if policy else None
-                    after, nxt = None, (yield from self._ar_row(forward, history.root))
+                    guess, after = policy.guess(history) if policy else None, None
+                    nxt = (queued.read(self._scored) if queued is not None else
+                           (yield from self._ar_row(forward, history.root)))
                 else:
+                    queued = queued or forward(mx.array(history.root))
                     after = forward(queued.token)
                     guess = policy.guess(history) if policy else None   # while it runs
                     nxt = queued.read(self._scored)

@@ -3,8 +3,10 @@ browser chat page at / (page.py), and /treegraft/config and /treegraft/status fo
 
 Built on the standard library's ThreadingHTTPServer, like mlx_lm's own server: no extra
 dependency, well kept with CPython, and enough for one local user or app. Connections are
-served concurrently; generations run one at a time on one worker thread (one model, one
-device), and at most `max_queue` requests wait for it (more get 503). Errors come back as
+served concurrently; generations run on one worker thread (one model, one device): up to
+`max_batch` decoded together (batch.py: one forward a step for all of them; a request joins
+at the next step and leaves at the step after it ends), and at most `max_queue` more wait
+for a place (more get 503). Errors come back as
 OpenAI-style JSON with the right status code; an oversized body is read and dropped (up to a
 cap) so that even a client that sends all of it before reading gets its 413. A client that
 goes away mid-stream ends its generation at the next step.
@@ -30,7 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator, Optional
 from urllib.parse import urlsplit
 
+from .batch import Batch, lane
 from .engine import stream_generate
+from .packed import refusal
 from .strategy import STRATEGY_NAMES, for_family, parse_strategy
 from .family import Family
 from .generate import Response, chat_prompt, summary
@@ -50,7 +54,8 @@ class ServerConfig:
     strategy: str = "treegraft"
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
-    max_queue: int = 16                 # requests that may wait while one generates
+    max_queue: int = 16                 # requests that may wait while others generate
+    max_batch: int = 1                  # requests decoded together (one forward a step)
     timeout: float = 60.0               # seconds a connection may stall (request or reply)
     api_key: Optional[str] = None       # /v1/* and /treegraft/* need "Bearer <api_key>"
     drain_bytes: int = 64 << 20         # an oversized body up to this is read before the 413
@@ -67,18 +72,21 @@ class RequestError(Exception):
 
 @dataclass
 class Served:
-    """What the server has generated: the running generation's last response, and totals
+    """What the server has generated: each running generation's last response, and totals
     over the finished ones (`finished`: how many ended by each finish reason, "disconnected"
-    where the client went away, "error" where generation failed)."""
+    where the client went away, "error" where generation failed), and what the forwards of
+    requests decoded together ran."""
 
-    current: Optional[Response] = None
+    live: dict = field(default_factory=dict)     # Job -> its last response (None: none yet)
+    forwards: int = 0                            # target forwards of the batch
+    rows: int = 0                                # rows they ran, all requests together
     steps: int = 0
     tokens: int = 0
     finished: Counter = field(default_factory=Counter)
     last: Optional[dict] = None          # the last finished generation's reason, tokens, steps
 
 
-@dataclass
+@dataclass(eq=False)     # a job is itself: Served.live keys on it
 class Job:
     """One generation handed to the worker thread; its pieces come back on `out` (then an
     exception, if it failed, and END), and `cancelled` stops it at its next step."""
@@ -93,8 +101,10 @@ END = object()    # the last item of a Job's `out`
 
 
 class Generator:
-    """Validates requests and runs them on the family one at a time, on one worker thread,
-    with at most `max_queue` waiting for their turn; counts what it served (status).
+    """Validates requests and runs them on the family, up to `max_batch` together, on one
+    worker thread, with at most `max_queue` more waiting for a place; counts what it served
+    (status). With `max_batch` 1, or a target that cannot decode requests together (a
+    pipeline), one at a time, each decoded alone (stream_generate).
 
     One long-lived thread generates because the compute libraries keep native state per
     calling thread: generating on the handler's thread (a new one per connection) grew the
@@ -105,8 +115,8 @@ class Generator:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()   # Jobs, then None to stop
         self.changed = threading.Condition()    # guards the counts below; notified on change
         self.admitted = 0                       # jobs handed over and not finished
-        self.busy = False                       # the worker is generating
         self.served = Served()
+        self.together = config.max_batch > 1 and refusal(family.target) is None
         self.stopping = threading.Event()       # close(): every generation ends at its next step
         self.worker = threading.Thread(target=self._work, name="treegraft-generate", daemon=True)
         self.worker.start()
@@ -159,19 +169,25 @@ class Generator:
             job.cancelled.set()
 
     def _admit(self, prompt: str, params: dict) -> Job:
-        """A job for the worker; refused (503 with Retry-After) when one generation runs and
-        `max_queue` more already wait."""
+        """A job for the worker; refused (503 with Retry-After) when `max_batch` generations
+        run and `max_queue` more already wait."""
+        places = self.config.max_batch if self.together else 1
         with self.changed:
-            if self.admitted > self.config.max_queue:
+            if self.admitted >= places + self.config.max_queue:
                 raise RequestError(
-                    HTTPStatus.SERVICE_UNAVAILABLE, f"the server is busy: {self.admitted - 1} "
-                    f"requests already wait for the model; retry in {RETRY_AFTER_S} s",
-                    "server_error", {"Retry-After": str(RETRY_AFTER_S)})
+                    HTTPStatus.SERVICE_UNAVAILABLE, f"the server is busy: "
+                    f"{self.admitted - places} requests already wait for the model; retry in "
+                    f"{RETRY_AFTER_S} s", "server_error", {"Retry-After": str(RETRY_AFTER_S)})
             self.admitted += 1
             self.changed.notify_all()
         job = Job(prompt, params)
         self.jobs.put(job)
         return job
+
+    @property
+    def busy(self) -> bool:
+        """Whether the worker is generating."""
+        return bool(self.served.live)
 
     def close(self) -> None:
         """End every generation at its next step and wait for the worker to stop (a process
@@ -181,18 +197,20 @@ class Generator:
         self.worker.join()
 
     def _work(self) -> None:
+        if self.together:
+            return self._work_together()
         while (job := self.jobs.get()) is not None:
             self._generate(job)
 
     def _generate(self, job: Job) -> None:
         """Run one job to its end, or to the step after it was cancelled ("disconnected")."""
         reason, last = "disconnected", None
-        self._progress(None)
+        self._progress(job, None)
         try:
             with closing(stream_generate(self.family, job.prompt, **job.params,
                                          provenance=True)) as pieces:
                 for last in pieces:
-                    self._progress(last)
+                    self._progress(job, last)
                     job.out.put(last)
                     if job.cancelled.is_set() or self.stopping.is_set():
                         break
@@ -202,34 +220,90 @@ class Generator:
             reason = "error"
             job.out.put(e)
         finally:
-            self._finish(reason, last)
-            job.out.put(END)
+            self._finish(job, reason, last)
 
-    def _progress(self, r: Optional[Response]) -> None:
-        """The worker generates; `r` is its generation's last piece so far."""
+    def _work_together(self) -> None:
+        """Decode the admitted jobs together (batch.py): jobs join between steps while there
+        is a place, and each leaves at the step after it ends or its client goes away."""
+        batch, stop = Batch(self.family), False
+        while not stop or batch.lanes:
+            stop = self._join(batch, stop)
+            for one in batch.lanes:
+                if one.tag.cancelled.is_set() or self.stopping.is_set():
+                    one.cancelled = True
+                    self._finish(one.tag, "disconnected", one.last)
+            try:
+                events = batch.step()
+            except Exception as e:            # the shared forward failed: every job ends
+                for one in batch.lanes:
+                    one.tag.out.put(e)
+                    self._finish(one.tag, "error", one.last)
+                batch = Batch(self.family)
+                continue
+            self._ran(batch)
+            for one, r in events:
+                if isinstance(r, Exception):
+                    one.tag.out.put(r)
+                    self._finish(one.tag, "error", one.last)
+                    continue
+                self._progress(one.tag, r)
+                one.tag.out.put(r)
+                if r.finish_reason is not None:
+                    self._finish(one.tag, r.finish_reason, r)
+
+    def _join(self, batch: Batch, stop: bool) -> bool:
+        """Admitted jobs join the batch while it has a place (waiting for one when nothing
+        runs); returns whether the worker was told to stop."""
+        while not stop and len(batch.lanes) < self.config.max_batch:
+            try:
+                job = self.jobs.get(block=not batch.lanes)
+            except queue.Empty:
+                break
+            if job is None:
+                return True
+            self._progress(job, None)
+            try:
+                batch.add(lane(self.family, job.prompt, **job.params, provenance=True, tag=job))
+            except Exception as e:            # e.g. a prompt past the context: this job's
+                job.out.put(e)
+                self._finish(job, "error", None)
+        return stop
+
+    def _ran(self, batch: Batch) -> None:
         with self.changed:
-            self.served.current, self.busy = r, True
+            self.served.forwards, self.served.rows = batch.forwards, batch.rows
+
+    def _progress(self, job: Job, r: Optional[Response]) -> None:
+        """`job` generates; `r` is its last piece so far."""
+        with self.changed:
+            self.served.live[job] = r
             self.changed.notify_all()
 
-    def _finish(self, reason: str, last: Optional[Response]) -> None:
+    def _finish(self, job: Job, reason: str, last: Optional[Response]) -> None:
         tokens, steps = (last.generation_tokens, last.steps) if last else (0, 0)
         with self.changed:
             served = self.served
             served.steps, served.tokens = served.steps + steps, served.tokens + tokens
             served.finished[reason] += 1
             served.last = {"finish_reason": reason, "tokens": tokens, "steps": steps}
-            served.current, self.busy = None, False
+            served.live.pop(job, None)
             self.admitted -= 1
             self.changed.notify_all()
+        job.out.put(END)
 
     def status(self) -> dict:
-        """GET /treegraft/status: whether a generation runs, how many wait, and the steps and
-        tokens served so far (the running generation's included, so they grow while it runs)."""
+        """GET /treegraft/status: how many generations run (`batch`) and wait, the steps and
+        tokens served so far (the running generations' included, so they grow while they
+        run), and the rows a forward of requests decoded together ran on average."""
         with self.changed:
-            s, live = self.served, self.served.current
-            return {"busy": self.busy, "queued": self.admitted - self.busy,
-                    "steps": s.steps + (live.steps if live else 0),
-                    "tokens": s.tokens + (live.generation_tokens if live else 0),
+            s = self.served
+            live = [r for r in s.live.values() if r is not None]
+            return {"busy": self.busy, "batch": len(s.live),
+                    "queued": self.admitted - len(s.live),
+                    "max_batch": self.config.max_batch if self.together else 1,
+                    "steps": s.steps + sum(r.steps for r in live),
+                    "tokens": s.tokens + sum(r.generation_tokens for r in live),
+                    "rows_per_forward": round(s.rows / s.forwards, 2) if s.forwards else None,
                     "finished": dict(s.finished), "last": s.last}
 
     def runs(self, name: str) -> bool:
