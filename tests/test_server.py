@@ -8,6 +8,7 @@ import random
 import re
 import string
 import threading
+import time
 from typing import Iterator, Optional
 
 import pytest
@@ -336,16 +337,25 @@ def test_stop_in_the_same_block_as_eos_or_max_tokens(family):
 
 # --- failures during a generation ---------------------------------------------------------
 
-def failing_after(pieces: int, error: Exception):
-    """A stream_generate that yields `pieces` real pieces, then raises `error`."""
-    real = server_mod.stream_generate
+def fail_after(monkeypatch, pieces: int, error: Exception) -> None:
+    """Generations yield `pieces` real pieces, then raise `error`: one decoded alone
+    (stream_generate) or in the batch (its lane's responses)."""
+    real_stream, real_lane = server_mod.stream_generate, server_mod.lane
 
-    def fake(*args, **kwargs):
-        for i, r in enumerate(real(*args, **kwargs)):
+    def failing(responses):
+        for i, r in enumerate(responses):
             if i == pieces:
                 raise error
             yield r
-    return fake
+
+    def failing_lane(*args, **kwargs):
+        one = real_lane(*args, **kwargs)
+        one.responses = failing(one.responses)
+        return one
+
+    monkeypatch.setattr(server_mod, "stream_generate",
+                        lambda *args, **kwargs: failing(real_stream(*args, **kwargs)))
+    monkeypatch.setattr(server_mod, "lane", failing_lane)
 
 
 @pytest.mark.parametrize("error, code", [(RuntimeError("device lost"), 500),
@@ -353,7 +363,7 @@ def failing_after(pieces: int, error: Exception):
 def test_error_mid_stream_ends_it_with_an_error_event(server, monkeypatch, error, code):
     """An exception after the stream started ends it with an error event (no [DONE]) instead
     of a silent hang-up; the generation lock is released for the next request."""
-    monkeypatch.setattr(server_mod, "stream_generate", failing_after(2, error))
+    fail_after(monkeypatch, 2, error)
     body = {"prompt": PROMPT, "max_tokens": 30, "strategy": "ar", "stream": True}
     status, _, payload = request(server, "POST", "/v1/completions", body, timeout=30)
     assert status == 200
@@ -370,7 +380,7 @@ def test_error_mid_stream_ends_it_with_an_error_event(server, monkeypatch, error
 def test_error_before_any_output_is_a_json_500(server, monkeypatch, stream_it):
     """An unexpected exception before anything was sent is a JSON 500 naming it, not a
     dropped connection."""
-    monkeypatch.setattr(server_mod, "stream_generate", failing_after(0, RuntimeError("boom")))
+    fail_after(monkeypatch, 0, RuntimeError("boom"))
     status, out = post(server, {"prompt": PROMPT, "max_tokens": 8, "stream": stream_it}, timeout=30)
     assert status == 500 and "RuntimeError: boom" in out["error"]["message"]
 
@@ -480,7 +490,8 @@ def test_a_client_that_disconnects_mid_stream_ends_its_generation(family):
 def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypatch):
     """With one generation running (held at a gate) and max_queue requests waiting, one more
     is refused at once, streamed or not: 503, Retry-After and an OpenAI-style error; the
-    others are served once the gate opens."""
+    others are served once the gate opens. (One at a time: test_serve_together has the
+    batch's bound.)"""
     gate, real = threading.Event(), server_mod.stream_generate
 
     def gated(*args, **kwargs):
@@ -490,7 +501,7 @@ def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypa
     monkeypatch.setattr(server_mod, "stream_generate", gated)
     body = {"prompt": PROMPT, "max_tokens": 3}
     results: dict[int, tuple] = {}
-    with running(family, max_tokens_limit=LIMIT, max_queue=2) as srv:
+    with running(family, max_tokens_limit=LIMIT, max_queue=2, max_batch=1) as srv:
         gen = srv.generator
         clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
                    for i in range(3)]
@@ -635,3 +646,86 @@ def test_the_page_config_says_the_bundled_family_is_a_test_model(monkeypatch):
         note = json.loads(request(srv, "GET", "/treegraft/config")[2])["note"]
     assert note in out.stderr.splitlines() and "test model" in note
     assert "treegraft serve --model mlx-community/Qwen3-8B-4bit" in note
+
+
+# --- requests decoded together ------------------------------------------------------------
+
+def test_eight_streaming_clients_are_answered_as_serial_runs(family):
+    """8 streaming clients at once into a batch of 4: six answered exactly as `generate`
+    alone answers them (strategies, max_tokens and a stop string differ), one that goes away
+    mid-stream is counted as disconnected, one bad request gets its 400; nobody stalls the
+    batch, and the status shows requests decoded together."""
+    prompts = [p for p in (PROMPT, REPETITIVE, "class Stack:\n    def push(self, item):\n",
+                           "import os\n", "x = [", "def main():\n")]
+    bodies = [{"prompt": p, "max_tokens": 12 + 6 * i, "strategy": s}
+              for i, (p, s) in enumerate(zip(prompts, ["treegraft", "ngram", "ar", "treegraft",
+                                                        "draft", "ngram"]))]
+    bodies[0]["stop"] = ["\n\n"]
+    results, seen = {}, []
+    with running(family, max_tokens_limit=1024, max_batch=4) as srv:
+        def call(i):
+            results[i] = streamed(srv, bodies[i])
+
+        def leave():
+            sock = open_stream(srv.server_port, {"prompt": PROMPT, "max_tokens": 1024,
+                                                 "strategy": "ar"})
+            read_events(sock, 2)
+            sock.close()
+
+        def bad():
+            results["bad"] = post(srv, {"prompt": PROMPT, "temperature": "hot"})
+
+        def watch():
+            while len(results) < 7:
+                seen.append(status_of(srv)["batch"])
+                time.sleep(0.005)
+
+        threads = ([threading.Thread(target=call, args=(i,)) for i in range(6)]
+                   + [threading.Thread(target=f) for f in (leave, bad, watch)])
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads)
+        with srv.generator.changed:
+            assert srv.generator.changed.wait_for(lambda: not srv.generator.busy, timeout=60)
+        status = status_of(srv)
+    assert results["bad"][0] == 400 and "temperature" in results["bad"][1]["error"]["message"]
+    for i, body in enumerate(bodies):
+        ref = generate(family, body["prompt"], body["strategy"], max_tokens=body["max_tokens"],
+                       stop=body.get("stop", ()))
+        text, chunks = results[i]
+        assert text == ref.text, body
+        assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
+        assert chunks[-1]["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert status["finished"].get("disconnected") == 1 and sum(status["finished"].values()) == 7
+    assert max(seen) >= 2 and status["max_batch"] == 4 and status["rows_per_forward"] > 1
+    assert status["batch"] == 0 and status["queued"] == 0
+
+
+def test_the_batch_s_queue_bound(family, monkeypatch):
+    """max_batch requests decode and max_queue more wait; one more gets the 503, and every
+    admitted one is answered once the batch moves."""
+    gate, real = threading.Event(), server_mod.lane
+
+    def gated(*args, **kwargs):
+        gate.wait(timeout=60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server_mod, "lane", gated)
+    body = {"prompt": PROMPT, "max_tokens": 3}
+    results: dict[int, tuple] = {}
+    with running(family, max_tokens_limit=LIMIT, max_queue=1, max_batch=2) as srv:
+        gen = srv.generator
+        clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
+                   for i in range(3)]
+        for t in clients:
+            t.start()
+        with gen.changed:
+            assert gen.changed.wait_for(lambda: gen.admitted == 3, timeout=60)
+        status, _, payload = request(srv, "POST", "/v1/completions", body, timeout=10)
+        assert status == 503 and "busy: 1 requests already wait" in payload.decode()
+        gate.set()
+        for t in clients:
+            t.join(timeout=120)
+    assert [results[i][0] for i in range(3)] == [200] * 3

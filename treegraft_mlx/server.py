@@ -55,7 +55,7 @@ class ServerConfig:
     max_tokens_limit: int = 2048
     max_body_bytes: int = 1 << 20
     max_queue: int = 16                 # requests that may wait while others generate
-    max_batch: int = 1                  # requests decoded together (one forward a step)
+    max_batch: int = 4                  # requests decoded together (one forward a step)
     timeout: float = 60.0               # seconds a connection may stall (request or reply)
     api_key: Optional[str] = None       # /v1/* and /treegraft/* need "Bearer <api_key>"
     drain_bytes: int = 64 << 20         # an oversized body up to this is read before the 413
