@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scripted import deterministic
@@ -13,6 +14,9 @@ from treegraft_mlx import fixture_path, generate, load
 from treegraft_mlx import batch as batch_module
 from treegraft_mlx.batch import Batch, decode_together, lane
 from treegraft_mlx.bench import first_per_category, read_prompts
+from treegraft_mlx.pricing import Candidate, plan_jointly, rows_ms
+from treegraft_mlx.tree import DraftTree, depths, path_probability, plan_verification
+from scripted import scripted_step_costs
 
 SUITE = Path(__file__).parents[1] / "benchmarks/prompts/public.jsonl"
 
@@ -147,3 +151,64 @@ def test_a_target_that_cannot_pack_is_refused_with_the_reason(family):
     bad = dataclasses.replace(family, target=Stage())
     with pytest.raises(ValueError, match="cannot decode requests together"):
         Batch(bad)
+
+
+# --- one plan for the batch's forward (pricing.plan_jointly) -------------------------------
+
+def random_tree(rng, n: int) -> tuple[list[int], np.ndarray]:
+    """Parents (each before its children) and acceptance estimates of a random tree."""
+    parent = [-1] + [int(rng.integers(0, v)) for v in range(1, n)]
+    return parent, rng.uniform(0.05, 1.0, n)
+
+
+def candidate(parent, accept, costs, chain=0, context=300, rate=0.05):
+    prob = path_probability(parent, accept)
+    return Candidate(prob, depths(parent), 1 + chain, context, rate, costs)
+
+
+def test_a_joint_plan_of_one_request_is_its_own_plan():
+    """One request and nothing else: exactly plan_verification, chains included."""
+    rng, costs = np.random.default_rng(1), scripted_step_costs()
+    for trial in range(200):
+        parent, accept = random_tree(rng, int(rng.integers(1, 40)))
+        chain, rate = int(rng.integers(0, 4)), float(rng.uniform(0.0, 0.2))
+        tree = DraftTree(token=list(range(len(parent))), parent=parent,
+                         depth=depths(parent).tolist())
+        alone = plan_verification(tree, accept, costs.step_ms(300)[chain:], rate)
+        joint, = plan_jointly([candidate(parent, accept, costs, chain, rate=rate)])
+        assert joint.keep.tolist() == alone.keep.tolist(), trial
+        assert joint.expected == pytest.approx(alone.expected)
+        assert joint.step_ms == pytest.approx(alone.step_ms)
+
+
+def test_a_joint_plan_keeps_every_root_closed_paths_and_prices_drafts_out_as_it_grows():
+    rng, costs = np.random.default_rng(2), scripted_step_costs()
+    parent, accept = random_tree(rng, 24)
+    drafts = []
+    for lanes in (1, 2, 4, 8):
+        plans = plan_jointly([candidate(parent, accept, costs)] * lanes, other_rows=1)
+        for plan in plans:
+            kept = set(plan.keep.tolist())
+            assert 0 in kept and all(parent[v] in kept for v in kept if v), plan.keep
+        assert len({p.step_ms for p in plans}) == 1     # one forward, priced once
+        drafts.append(sum(len(p.keep) - 1 for p in plans) / lanes)
+    # The batch's rate is the sum of its requests': each one's drafts are worth less.
+    assert drafts == sorted(drafts, reverse=True) and drafts[0] > drafts[-1]
+    # Identical requests share the drafts evenly (ties go to the earlier request first).
+    plans = plan_jointly([candidate(parent, accept, costs)] * 3)
+    assert max(len(p.keep) for p in plans) - min(len(p.keep) for p in plans) <= 1
+
+
+def test_a_joint_plan_ranks_drafts_across_requests():
+    """A request whose drafts are near-certain gets the rows before one whose drafts are
+    long shots; rows past the measured table are priced on its last slope."""
+    costs = scripted_step_costs()
+    parent = [-1, 0, 1, 2, 3]
+    sure = candidate(parent, np.full(5, 0.98), costs, rate=0.02)
+    doubtful = candidate(parent, np.full(5, 0.15), costs, rate=0.02)
+    a, b = plan_jointly([doubtful, sure])
+    assert len(b.keep) == 5 and len(a.keep) < len(b.keep)
+    table = costs.step_ms(300)
+    more = rows_ms(table, len(table) + 3)
+    assert more[:len(table)].tolist() == table.tolist()
+    assert np.allclose(np.diff(more[len(table) - 1:]), table[-1] - table[-2])

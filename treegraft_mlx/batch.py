@@ -3,10 +3,11 @@ them, each request accepting, committing and streaming its own tokens.
 
 Each request is a Lane: its own Session (cache, history, drafters), its Decoder run
 `together` (decoder.py) and its stream (generate.stream: EOS, stop strings, max_tokens). A
-step collects every lane's rows (a prefill chunk, an AR row, a tree), runs them in one packed
-forward (packed.py), reads every lane's verdict back in one wait, hands each lane its values,
-and streams what each committed. A lane alone in the batch decodes exactly as a request
-alone (pipelined), and switches at the step another joins. A lane leaves at the step after its stream ends or its caller cancels it; a
+step sizes the lanes' trees together (pricing.plan_jointly), runs every lane's rows (a
+prefill chunk, an AR row, a tree) in one packed forward (packed.py), reads every lane's
+verdict back in one wait, hands each lane its values, and streams what each committed. A lane
+alone in the batch decodes exactly as a request alone (pipelined), and switches at the step
+another joins. A lane leaves at the step after its stream ends or its caller cancels it; a
 lane whose decoding fails leaves with its error, and the others go on (docs/design.md §23).
 """
 
@@ -24,6 +25,7 @@ from .family import Family, TreeConfig
 from .generate import Prompt, Response, stream
 from .packed import refusal, run_together
 from .parts import Read, RequestBlock, run_alone
+from .pricing import Candidate, plan_jointly
 from .readback import read_back
 from .sampling import SamplerSettings
 
@@ -43,8 +45,8 @@ class Inbox:
 
 @dataclass
 class Lane:
-    """One request in a batch: its decoder, what its decoding wants now (a RequestBlock, a
-    Read or a committed block), and its stream."""
+    """One request in a batch: its decoder, what its decoding wants now (a tree offered to
+    the joint plan, a RequestBlock, a Read or a committed block), and its stream."""
 
     decoder: Decoder
     wants: Iterator[Any]                 # decoder.steps(ids), decoding together
@@ -116,6 +118,7 @@ class Batch:
         self._drop()
         for one in self.lanes:
             one.decoder.together = len(self.lanes) > 1
+        self._size()
         if any(isinstance(one.want, RequestBlock) for one in self.lanes):
             self._forward()
             self._read()
@@ -132,6 +135,16 @@ class Batch:
         out += [(one, one.error) for one in self.lanes if one.error is not None]
         self._drop()
         return out
+
+    def _size(self) -> None:
+        """The trees the lanes offer, sized together around the other lanes' blocks
+        (pricing.plan_jointly)."""
+        offers = [one for one in self.lanes if isinstance(one.want, Candidate)]
+        if not offers:
+            return
+        fixed = sum(one.want.rows for one in self.lanes if isinstance(one.want, RequestBlock))
+        for one, plan in zip(offers, plan_jointly([one.want for one in offers], fixed)):
+            one.send(plan)
 
     def _forward(self) -> None:
         lanes = [one for one in self.lanes if isinstance(one.want, RequestBlock)]

@@ -6,7 +6,8 @@ shared (generate.stream). The policy (policy.py) plans each step; step.py runs a
 AR steps are pipelined as in `mlx_lm`: the next forward is queued before a token is read.
 
 Decoding `together` (batch.py), the same loop also yields what its forwards and reads want
-(parts.py: a RequestBlock, then a Read, before each committed block), so a batch runs them
+(parts.py: a RequestBlock, then a Read, before each committed block; first, where the step
+verifies drafts it sized, its tree offered to the batch's joint plan), so a batch runs them
 with other requests'; its AR steps are then not pipelined: the batch's forward is one for all.
 A batch may switch `together` between steps (a request alone in it decodes as alone, here
 pipelined); a forward still in flight at the switch is read first, and no new one queued.
@@ -93,7 +94,9 @@ class Decoder:
         queued: Optional[Queued] = None        # the forward of `root`, in flight
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            plan = self.policy.next(root, carried, queued is not None)
+            plan = self.policy.next(root, carried, queued is not None, self.together)
+            if plan.offer is not None:    # sized with the other requests' trees (batch.py)
+                plan = self.policy.sized(plan, (yield plan.offer))
             carried = None
             if plan.runs == STRETCH:
                 root, queued = yield from self._pipelined(root, forward, queued, plan.stretch)

@@ -12,6 +12,7 @@ the current step's target logits, so output stays exactly the target's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -20,7 +21,7 @@ import mlx.core as mx
 from .build import TreeBuild
 from .drafters import Drafters, QueuedChain
 from .history import History
-from .pricing import CallPolicy, Fallback, Sizer
+from .pricing import CallPolicy, Candidate, Fallback, Sizer
 from .sampling import DeviceDraws, SamplerSettings
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule
 from .session import Session
@@ -54,6 +55,8 @@ class StepPlan:
     looping: bool = False                     # planned inside a loop (Fallback.loop_pays)
     ahead: bool = False                       # an AR step: queue the next AR forward first
     stretch: int = 0                          # a STRETCH's AR steps
+    offer: Optional[Candidate] = None         # the tree offered to a batch's joint plan
+    draft_ms: Optional[float] = None          # ... and what drafting it cost (Sizer.settle)
 
     def stats(self, accepted: int, t_verify: float, t_accept: float) -> StepStats:
         """The step's statistics once it ran and `accepted` drafts."""
@@ -89,9 +92,12 @@ class Policy:
         if self.fallback is not None:
             self.fallback.new_text()
 
-    def next(self, root: int, carried: Optional[DraftTree], in_flight: bool) -> StepPlan:
+    def next(self, root: int, carried: Optional[DraftTree], in_flight: bool,
+             joint: bool = False) -> StepPlan:
         """The step after `root` (`carried`: the drafts below it kept from the last step;
-        `in_flight`: its AR forward is already queued, so the step reads it)."""
+        `in_flight`: its AR forward is already queued, so the step reads it). `joint`: a
+        batch sizes every request's tree together, so a sized step verifying drafts offers
+        its whole tree (StepPlan.offer) and is completed by `sized`."""
         t0 = self.clock()
         if self.sizer is None:
             return self._fixed(root, t0)
@@ -115,18 +121,33 @@ class Policy:
         else:
             built, layers = DraftTree.rooted_at(root), []
         k = len(chain) if chain is not None else 0
+        common = dict(built=built, layers=tuple(layers), started=t0, t_schedule=t_schedule,
+                      choice=choice, looping=looping)
+        if joint and not in_flight and (len(built) > 1 or k):
+            t1 = self.clock()
+            return StepPlan(VERIFY, built, chain=chain, t_draft=t1 - t0,
+                            offer=self.sizer.candidate(built, history.committed, k),
+                            draft_ms=1000 * (t1 - t0) if fresh else None, **common)
         if plan is None:
             plan = self.sizer.plan(built, history.committed)
         t1 = self.clock()
         self.sizer.settle(plan, 1000 * (t1 - t0) if fresh else None)
         tree = built.subtree(plan.keep)
-        common = dict(built=built, layers=tuple(layers), expected=plan.expected, started=t0,
-                      t_draft=t1 - t0, t_schedule=t_schedule, choice=choice, looping=looping)
+        common.update(expected=plan.expected, t_draft=t1 - t0)
         if not in_flight and (len(tree) > 1 or k):
             return StepPlan(VERIFY, tree, chain=chain,
                             rows=self.sizer.costs.rows_for(len(tree) + k), **common)
         ahead = len(tree) == 1 and not (self.calls is not None and self.calls.peek(0) > 0)
         return StepPlan(AR, tree, ahead=ahead, **common)
+
+    def sized(self, plan: StepPlan, sized: Plan) -> StepPlan:
+        """A plan that offered its tree to a batch's joint plan (`offer`), with what the joint
+        plan kept of it (pricing.plan_jointly): the Sizer settles on it as on its own plan."""
+        self.sizer.settle(sized, plan.draft_ms)
+        tree = plan.built.subtree(sized.keep)
+        k = len(plan.chain) if plan.chain is not None else 0
+        return dataclasses.replace(plan, tree=tree, rows=len(tree) + k, expected=sized.expected,
+                                   offer=None)
 
     def _fixed(self, root: int, t0: float) -> StepPlan:
         """The built tree pruned to the fixed budget; `chain:k`'s chain of k, queued."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from .acceptance import AcceptanceModel
 from .timing import StepCosts
-from .tree import DraftTree, Plan, Reach, plan_verification
+from .tree import DraftTree, Plan, Reach, path_probability, plan_verification
 
 if TYPE_CHECKING:                 # family.py owns a Learned: no import back at run time
     from .family import TreeConfig
@@ -45,6 +45,12 @@ class Sizer:
         return plan_verification(tree, self.accept(tree), self.costs.step_ms(context)[chain:],
                                  self.rate)
 
+    def candidate(self, tree: DraftTree, context: int, chain: int = 0) -> "Candidate":
+        """`tree` offered to a joint plan (plan_jointly) instead of planned alone."""
+        prob = path_probability(tree.parent, self.accept(tree))
+        return Candidate(prob, np.asarray(tree.depth), 1 + chain, context, self.rate,
+                         self.costs)
+
     def accept(self, tree: DraftTree) -> np.ndarray:
         """a(v) for every node of `tree` (acceptance.py)."""
         return self.acceptance.estimate(tree, self.sampled, self.cfg.n_max, self.cfg.depth)
@@ -73,6 +79,60 @@ class Sizer:
             return True
         self.skipped += 1
         return self.skipped % DRAFT_EXPLORE_EVERY == 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request's tree offered to a joint plan: every node's path probability and depth,
+    the rows it runs whatever is kept (its root, and a queued chain's), its committed context,
+    its Sizer's long-run rate (tokens per ms) and the device's step costs."""
+
+    prob: np.ndarray
+    depth: np.ndarray
+    forced: int
+    context: int
+    rate: float
+    costs: StepCosts
+
+
+def plan_jointly(candidates: list[Candidate], other_rows: int = 0) -> list[Plan]:
+    """One plan for a batch's forward (docs/design.md §23): every candidate's forced rows and
+    the `other_rows` of requests that run fixed blocks (an AR row, a prefill chunk) are kept;
+    the drafted nodes of all candidates, ranked together by path probability (ties: shallower,
+    then the earlier request, then the earlier node), are added while expected tokens less the
+    forward's time at the batch's rate (the sum of the requests' rates) grow, up to the
+    largest measured block less the candidates' forced rows (a request alone drafts no more),
+    priced at the mean context of the candidates. Each request's
+    share of a ranked prefix is ancestor-closed (a child is never more probable than its
+    parent). With one candidate and nothing else this is exactly plan_verification: a batch
+    of one plans as a request alone. Returns each candidate's Plan, with the shared forward's
+    time as its step_ms."""
+    forced = other_rows + sum(c.forced for c in candidates)
+    table = candidates[0].costs.step_ms(int(np.mean([c.context for c in candidates])))
+    pool = sorted((-c.prob[v], c.depth[v], i, v) for i, c in enumerate(candidates)
+                  for v in range(1, len(c.prob)))
+    pool = pool[:max(0, len(table) - sum(c.forced for c in candidates))]
+    ms = rows_ms(table, forced + len(pool))
+    expected = len(candidates) + np.concatenate([[0.0], np.cumsum([-g[0] for g in pool])])
+    rate = sum(c.rate for c in candidates)
+    n = int(np.argmax(expected - rate * ms[forced - 1:forced + len(pool)]))
+    kept: list[list[int]] = [[0] for _ in candidates]
+    for _, _, i, v in pool[:n]:
+        kept[i].append(v)
+    step_ms = float(ms[forced - 1 + n])
+    return [Plan(np.sort(np.array(k, dtype=np.int64)), float(c.prob[k].sum()), step_ms)
+            for k, c in zip(kept, candidates)]
+
+
+def rows_ms(step_ms: np.ndarray, rows: int) -> np.ndarray:
+    """[r - 1]: ms of a forward of r rows for r up to `rows`: the measured table, then on the
+    line through its last two entries (a batch may run more rows than a request's largest
+    measured block)."""
+    if rows <= len(step_ms):
+        return step_ms[:rows]
+    slope = step_ms[-1] - step_ms[-2] if len(step_ms) > 1 else step_ms[-1]
+    more = step_ms[-1] + slope * np.arange(1, rows - len(step_ms) + 1)
+    return np.concatenate([step_ms, more])
 
 
 class CallPolicy:
