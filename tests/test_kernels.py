@@ -445,3 +445,82 @@ def test_forcing_fused_on_the_cpu_is_a_clear_error(monkeypatch):
     k = mx.zeros((1, 2, 3, 64))
     with pytest.raises(RuntimeError, match="needs a Metal or CUDA GPU"):
         tree_attention(q, k, k, scale=0.125, mask=attention_mask(np.array([-1, 0, 1]), 0))
+
+
+# --- the varlen kernel: several requests' blocks, each in its own slot of a KV pool ----------
+
+@dataclass(frozen=True)
+class VarlenCase:
+    dtype: str
+    dim: int
+    gqa: int
+    kv_heads: int
+    requests: tuple  # (slot, context, nodes) per request, in row order
+    slots: int
+    length: int      # keys a slot holds: past each request's context + block, a stale tail
+
+    def __str__(self):
+        return (f"varlen-{self.dtype}-d{self.dim}-gqa{self.gqa}x{self.kv_heads}-"
+                + "-".join(f"s{s}c{c}n{n}" for s, c, n in self.requests))
+
+
+VARLEN_CASES = [
+    VarlenCase("float32", 64, 2, 2, ((2, 37, 5), (0, 0, 1), (3, 300, 33)), 4, 400),
+    VarlenCase("bfloat16", 128, 4, 1, ((1, 1024, 9), (0, 5, 70)), 3, 1100),
+]
+
+
+def varlen_inputs(case: VarlenCase, seed: int = 0):
+    """q, a pool k, v (strided: its slots are views of a larger buffer) whose tail past each
+    request's context + block holds stale keys (huge values) and then NaN, the blocks' table
+    and the float64 reference of each request attended alone against its own slot."""
+    rng = np.random.default_rng(seed)
+    dtype, heads = MX_DTYPES[case.dtype], case.gqa * case.kv_heads
+    rows = sum(n for _, _, n in case.requests)
+    q = mx.array(rng.standard_normal((1, heads, rows, case.dim)).astype(np.float32)).astype(dtype)
+    pool = []
+    for _ in range(2):
+        data = rng.standard_normal((case.slots, case.kv_heads, case.length + 3, case.dim))
+        data = data.astype(np.float32)
+        data[..., case.length:, :] = np.nan
+        for slot, context, nodes in case.requests:   # stale: an earlier, longer block's keys
+            data[slot, :, context + nodes:context + nodes + 40] = 1e4
+        pool.append(mx.array(data).astype(dtype)[:, :, :case.length])
+    k, v = pool
+    masks = [(slot, attention_mask(random_parent(rng, n), context))
+             for slot, context, n in case.requests]
+    as64 = lambda x: np.array(x.astype(mx.float32)).astype(np.float64)  # noqa: E731
+    want, start = [], 0
+    for (slot, mask), (_, context, n) in zip(masks, case.requests):
+        qs = as64(q)[:, :, start:start + n]
+        ks, vs = (as64(x[slot:slot + 1, :, :context + n]) for x in (k, v))
+        want.append(reference(qs, ks, vs, case.dim ** -0.5, mask.dense()))
+        start += n
+    return q, k, v, kernels.VarlenBlocks.of(masks), np.concatenate(want, axis=2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["metal", "cuda"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=str)
+def test_varlen_kernel_executed_matches_each_request_alone(monkeypatch, case, kind):
+    kernel = emulated_kernel(kind, "tree_attention_varlen")
+    monkeypatch.setattr(kernels, "_kernel", lambda kind, name: kernel)
+    q, k, v, blocks, want = varlen_inputs(case)
+    got = kernels.varlen_tree_attention(q, k, v, case.dim ** -0.5, blocks, kind)
+    assert_close(np.array(got.astype(mx.float32)), want, case.dtype)
+
+
+@needs_compiler
+def test_a_varlen_kernel_that_reads_the_stale_tail_fails(monkeypatch):
+    """A kernel that takes the slot's length after the block's write for the context (so the
+    block's keys count as committed and its bits reach into the stale tail) must fail."""
+    kernel = emulated_kernel("metal", "tree_attention_varlen", mutate=lambda s: s.replace(
+        "int context = table[row * 3 + 1];",
+        "int context = table[row * 3 + 1] + table[row * 3 + 2];"))
+    monkeypatch.setattr(kernels, "_kernel", lambda kind, name: kernel)
+    case = VARLEN_CASES[0]
+    q, k, v, blocks, want = varlen_inputs(case)
+    got = np.array(kernels.varlen_tree_attention(q, k, v, case.dim ** -0.5, blocks, "metal")
+                   .astype(mx.float32))
+    with pytest.raises(AssertionError):
+        assert_close(got, want, case.dtype)

@@ -330,8 +330,13 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), required=True)
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="Also write a PNG of tokens/s per strategy and category (needs matplotlib).")
+@click.option("--concurrency", default=None, type=str,
+              help="Concurrent requests, e.g. 1,2,4: each strategy served one at a time and "
+              "decoded together, beside mlx_lm's BatchGenerator (aggregate and per-request "
+              "tokens/s, time to first token).")
 def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, warmup,
-          per_category, temp, top_p, top_k, min_p, seed, budget, json_out, plot_out) -> None:
+          per_category, temp, top_p, top_k, min_p, seed, budget, json_out, plot_out,
+          concurrency) -> None:
     """Benchmark strategies side by side (one process, alternating order)."""
     import dataclasses
     from pathlib import Path
@@ -344,10 +349,14 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
     names = [s.strip().replace("+", ",") for s in strategies.split(",") if s.strip()]
     if "ar" not in names:
         names.insert(0, "ar")
+    levels = parse_levels(concurrency) if concurrency is not None else None
     family = load_family(ModelSource(model, draft_models=draft_models))
     prompts = B.read_prompts(Path(prompts_file))
     if per_category:
         prompts = B.first_per_category(prompts, per_category)
+    if levels is not None:
+        return bench_concurrency(family, prompts, [n for n in names if not n.startswith("mlx_lm")],
+                                 levels, max_tokens, repeat, settings, seed, Path(json_out))
     tree = dataclasses.replace(family.tree, budget=budget) if budget else None
     with click.progressbar(length=len(prompts) * len(names) * repeat, label="bench",
                            file=sys.stderr) as bar:
@@ -369,6 +378,52 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
                    f"accepted {acc}  first token {1000 * a['ttft_s']:.0f} ms  "
                    f"waits/token {a['waits_per_token']:.2f}")
     mismatches = B.check_greedy(runs) if temp == 0 else []
+    if mismatches:
+        for m in mismatches:
+            click.echo(f"MISMATCH: {m}", err=True)
+        raise click.ClickException(f"{len(mismatches)} greedy outputs differ from ar")
+
+
+def parse_levels(text: str) -> list[int]:
+    """--concurrency's list: positive integers, e.g. "1,2,4"."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise click.BadParameter(f"expected positive integers like 1,2,4, got {text!r}",
+                                 param_hint="--concurrency")
+    return levels
+
+
+def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settings, seed,
+                      json_out) -> None:
+    """`bench --concurrency`: bench_concurrency.py's table, and its JSON."""
+    import json
+
+    from . import bench as B
+    from . import bench_concurrency as C
+
+    engines = len(C.ENGINES) - 1 + len(names)
+    with click.progressbar(length=repeat * len(levels) * engines, label="bench",
+                           file=sys.stderr) as bar:
+        served = C.run_concurrency(family, prompts, names, levels, max_tokens, repeat,
+                                   settings, seed, progress=bar.update)
+    rows = C.summarize(served, levels)
+    mismatches = C.check_greedy(served) if settings.greedy else []
+    meta = {**B.machine_info(), "command": " ".join(sys.argv), "max_tokens": max_tokens,
+            "levels": levels, "temp": settings.temp, "mlx_lm_batch_differs": len(
+                C.check_greedy(served, ("mlx_lm_batch",))) if settings.greedy else None}
+    json_out.write_text(json.dumps({"meta": meta, "summary": rows,
+                                    "served": C.as_json(served)}, indent=1))
+    serial = {(r["strategy"], r["concurrency"]): r["aggregate_tps"] for r in rows
+              if r["engine"] == "serial"}
+    for r in rows:
+        base = serial.get((r["strategy"], r["concurrency"])) or serial.get(("ar", r["concurrency"]))
+        click.echo(f"{r['engine']:>13} {r['strategy']:>12} x{r['concurrency']:<3} "
+                   f"{r['aggregate_tps']:8.1f} tok/s all  {r['request_tps']:7.1f} a request  "
+                   f"first token {1000 * r['ttft_s']:6.0f} ms  x{r['aggregate_tps'] / base:.2f} "
+                   "vs serial")
     if mismatches:
         for m in mismatches:
             click.echo(f"MISMATCH: {m}", err=True)

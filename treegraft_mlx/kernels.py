@@ -43,6 +43,7 @@ KERNELS = {
     "tree_attention_partial": (["q", "k", "v", "bits", "meta", "scale"],
                                ["part_acc", "part_max", "part_sum"]),
     "tree_attention_combine": (["part_acc", "part_max", "part_sum"], ["out"]),
+    "tree_attention_varlen": (["q", "k", "v", "bits", "table", "scale"], ["out"]),
 }
 CHECK_TOLERANCE = {mx.float32: 2e-4, mx.float16: 2e-2, mx.bfloat16: 6e-2}  # x max(1, |ref|)
 
@@ -151,6 +152,41 @@ def split_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, ma
         output_dtypes=[mx.float32] * 3)
     out = _kernel(kind, "tree_attention_combine")(
         inputs=[part_acc, part_max, part_sum], template=[("T", q.dtype), ("D", dim)],
+        grid=(32 * rows, heads, 1), threadgroup=(32, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype])
+    return out[0]
+
+
+@dataclass(frozen=True)
+class VarlenBlocks:
+    """Several requests' blocks in one attention call: per row its request's slot in the KV
+    pool, committed context and block rows (`table`, (R, 3) int32), and its ancestor bits over
+    its own block (`bits`, (R, W) uint32, W the widest request's words)."""
+
+    table: np.ndarray
+    bits: np.ndarray
+
+    @classmethod
+    def of(cls, blocks: list[tuple[int, TreeMask]]) -> "VarlenBlocks":
+        """From each request's (slot, TreeMask), in row order."""
+        width = max(m.bits.shape[1] for _, m in blocks)
+        table = np.concatenate([np.tile([slot, m.context, len(m.bits)], (len(m.bits), 1))
+                                for slot, m in blocks]).astype(np.int32)
+        bits = np.concatenate([np.pad(m.bits, ((0, 0), (0, width - m.bits.shape[1])))
+                               for _, m in blocks]).astype(np.uint32)
+        return cls(table, bits)
+
+
+def varlen_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                          blocks: VarlenBlocks, kind: str) -> mx.array:
+    """The varlen kernel: q (1, H, R, D), every request's rows, against a KV pool k, v
+    (S, H_kv, L, D), each row in its own slot (tree_attention_varlen.metal)."""
+    _, heads, rows, dim = q.shape
+    out = _kernel(kind, "tree_attention_varlen")(
+        inputs=[mx.contiguous(q), k, v, mx.array(blocks.bits), mx.array(blocks.table),
+                mx.array([scale], mx.float32)],
+        template=[("T", q.dtype), ("D", dim), ("GQA", heads // k.shape[1]),
+                  ("W", blocks.bits.shape[1])],
         grid=(32 * rows, heads, 1), threadgroup=(32, 1, 1),
         output_shapes=[q.shape], output_dtypes=[q.dtype])
     return out[0]
