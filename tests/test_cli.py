@@ -152,6 +152,26 @@ def test_bench_small_run(tmp_path):
     assert len(report["runs"]) == 4 * 3 and report["meta"]["max_tokens"] == 16
 
 
+def test_bench_concurrency_small_run(tmp_path):
+    """`bench --concurrency`: every engine at every level, ratios to the serial server in the
+    same run, every request's tokens checked against serial `ar` (greedy); a bad level list
+    is refused before anything loads."""
+    out = tmp_path / "conc.json"
+    r = run("bench", "--prompts", str(SUITE), "--strategies", "ar,ngram", "--per-category",
+            "1", "--max-tokens", "8", "--concurrency", "1,3", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    rows = {(x["engine"], x["strategy"], x["concurrency"]): x for x in report["summary"]}
+    assert set(rows) == {(e, s, n) for e in ("serial", "batch") for s in ("ar", "ngram")
+                         for n in (1, 3)} | {("mlx_lm_batch", "ar", n) for n in (1, 3)}
+    prompts = len(report["served"]) // len(rows)
+    assert all(x["requests"] == prompts for x in rows.values())
+    assert report["meta"]["mlx_lm_batch_differs"] is not None
+    assert "x1.00 vs serial" in r.output
+    r = run("bench", "--prompts", str(SUITE), "--concurrency", "2,x", "--json", str(out))
+    assert r.exit_code == 2 and "--concurrency" in r.output
+
+
 def test_convert_command(tmp_path):
     src = make_checkpoint(tmp_path / "src", "qwen3")
     r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out"), "-q",

@@ -487,21 +487,29 @@ def test_a_client_that_disconnects_mid_stream_ends_its_generation(family):
     assert 2 <= aborted < limit // 4, aborted
 
 
-def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypatch):
-    """With one generation running (held at a gate) and max_queue requests waiting, one more
-    is refused at once, streamed or not: 503, Retry-After and an OpenAI-style error; the
-    others are served once the gate opens. (One at a time: test_serve_together has the
-    batch's bound.)"""
-    gate, real = threading.Event(), server_mod.stream_generate
+@pytest.mark.parametrize("max_batch, max_queue", [(1, 2), (2, 1)])
+def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypatch, max_batch,
+                                                                max_queue):
+    """With max_batch generations running (the first held at a gate: decoded alone, or
+    joining the batch) and max_queue requests waiting, one more is refused at once, streamed
+    or not: 503, Retry-After and an OpenAI-style error; the others are served once the gate
+    opens."""
+    gate, real_stream, real_lane = threading.Event(), server_mod.stream_generate, server_mod.lane
 
     def gated(*args, **kwargs):
         gate.wait(timeout=60)
-        yield from real(*args, **kwargs)
+        yield from real_stream(*args, **kwargs)
+
+    def gated_lane(*args, **kwargs):
+        gate.wait(timeout=60)
+        return real_lane(*args, **kwargs)
 
     monkeypatch.setattr(server_mod, "stream_generate", gated)
+    monkeypatch.setattr(server_mod, "lane", gated_lane)
     body = {"prompt": PROMPT, "max_tokens": 3}
     results: dict[int, tuple] = {}
-    with running(family, max_tokens_limit=LIMIT, max_queue=2, max_batch=1) as srv:
+    with running(family, max_tokens_limit=LIMIT, max_queue=max_queue,
+                 max_batch=max_batch) as srv:
         gen = srv.generator
         clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
                    for i in range(3)]
@@ -517,7 +525,9 @@ def test_requests_past_the_queue_bound_get_503_with_retry_after(family, monkeypa
             assert status == 503 and ctype == "application/json"
             assert resp.getheader("Retry-After") == "1"
             err = json.loads(payload)["error"]
-            assert "busy: 2 requests already wait" in err["message"] and err["code"] == 503
+            waiting = 3 - max_batch
+            assert f"busy: {waiting} requests already wait" in err["message"]
+            assert err["code"] == 503
         gate.set()
         for t in clients:
             t.join(timeout=120)
@@ -701,31 +711,3 @@ def test_eight_streaming_clients_are_answered_as_serial_runs(family):
     assert status["finished"].get("disconnected") == 1 and sum(status["finished"].values()) == 7
     assert max(seen) >= 2 and status["max_batch"] == 4 and status["rows_per_forward"] > 1
     assert status["batch"] == 0 and status["queued"] == 0
-
-
-def test_the_batch_s_queue_bound(family, monkeypatch):
-    """max_batch requests decode and max_queue more wait; one more gets the 503, and every
-    admitted one is answered once the batch moves."""
-    gate, real = threading.Event(), server_mod.lane
-
-    def gated(*args, **kwargs):
-        gate.wait(timeout=60)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(server_mod, "lane", gated)
-    body = {"prompt": PROMPT, "max_tokens": 3}
-    results: dict[int, tuple] = {}
-    with running(family, max_tokens_limit=LIMIT, max_queue=1, max_batch=2) as srv:
-        gen = srv.generator
-        clients = [threading.Thread(target=lambda i=i: results.update({i: post(srv, body)}))
-                   for i in range(3)]
-        for t in clients:
-            t.start()
-        with gen.changed:
-            assert gen.changed.wait_for(lambda: gen.admitted == 3, timeout=60)
-        status, _, payload = request(srv, "POST", "/v1/completions", body, timeout=10)
-        assert status == 503 and "busy: 1 requests already wait" in payload.decode()
-        gate.set()
-        for t in clients:
-            t.join(timeout=120)
-    assert [results[i][0] for i in range(3)] == [200] * 3
