@@ -17,6 +17,7 @@ from test_sampling import exact_pair_distribution
 from treegraft_mlx import LoadError, fixture_path, generate, load, probe
 from treegraft_mlx.loading import load_model, load_tokenizer
 from treegraft_mlx.models import legacy_config
+from treegraft_mlx.batch import decode_together
 from treegraft_mlx.session import Session
 from treegraft_mlx.tree import DraftTree, attention_mask, path_to, positions
 from treegraft_mlx.verify import verify
@@ -362,3 +363,18 @@ def test_a_tokenizer_mismatch_names_the_class_each_side_loaded(pair, tmp_path):
         load(target, drafters=[drafter], warmup=False)
     assert f"tokenizer classes: target {classes[0]}, drafter target {classes[1]}" in str(
         refused.value)
+
+
+def test_requests_decoded_together_equal_each_alone(checkpoint):
+    """Hybrid requests joining the batch steps apart (one packed forward over every request's
+    recurrent state and tree, each rolled back to its own accepted path) give what each
+    gives alone."""
+    family = load(checkpoint, drafters=[checkpoint], warmup=False)
+    requests = [dict(prompt=PROMPT, strategy="treegraft", max_tokens=30),
+                dict(prompt=PROMPT[:40], strategy="ngram", max_tokens=20),
+                dict(prompt="for i in range(3):\n", strategy="draft", max_tokens=25)]
+    got = decode_together(family, requests, [0, 1, 3])
+    for request, responses in zip(requests, got):
+        want = generate(family, request["prompt"], request["strategy"],
+                        max_tokens=request["max_tokens"])
+        assert [t for r in responses for t in r.tokens] == want.token_ids, request

@@ -42,8 +42,11 @@ class Served:
     last: float           # its last token
 
     @property
-    def tokens_per_sec(self) -> float:
-        return (len(self.tokens) - 1) / (self.last - self.first) if self.last > self.first else 0.0
+    def tokens_per_sec(self) -> Optional[float]:
+        """None for a request that ended at its first token (nothing to time)."""
+        if len(self.tokens) < 2 or self.last <= self.first:
+            return None
+        return (len(self.tokens) - 1) / (self.last - self.first)
 
 
 def serial(family: Family, prompts: list[dict], strategy: str, max_tokens: int,
@@ -117,8 +120,8 @@ def run_concurrency(family: Family, prompts: list[dict], strategies: list[str],
                     settings: SamplerSettings = SamplerSettings(), seed: int = 0,
                     engines: tuple = ENGINES,
                     progress: Optional[Callable[[int], None]] = None) -> list[Served]:
-    """Every (repeat, concurrency, engine, strategy) over all prompts, in waves; engines
-    alternate order between repeats. `mlx_lm_batch` runs once per concurrency (plain
+    """Every (repeat, concurrency, engine, strategy) over all prompts, in waves: each wave
+    runs on every engine before the next, in an order that flips from wave to wave. `mlx_lm_batch` runs once per concurrency (plain
     decoding has no strategy). A first wave warms every engine up unmeasured."""
     runners = {"serial": serial, "batch": together}
     if "mlx_lm_batch" in engines:
@@ -129,20 +132,22 @@ def run_concurrency(family: Family, prompts: list[dict], strategies: list[str],
     out: list[Served] = []
     for r in range(repeat):
         for n in levels:
-            for e, s in (jobs if r % 2 == 0 else jobs[::-1]):
-                for w in range(0, len(prompts), n):
-                    wave = prompts[w:w + n]
+            for w in range(0, len(prompts), n):     # every engine on a wave, then the next:
+                wave = prompts[w:w + n]              # drift over a run spreads evenly
+                flip = (r + w // n) % 2
+                for e, s in (jobs[::-1] if flip else jobs):
                     for p, (tokens, first, last) in zip(
                             wave, runners[e](family, wave, s, max_tokens, settings, seed)):
                         out.append(Served(e, s, n, r, w // n, p["id"], tokens, first, last))
-                if progress:
-                    progress(1)
+            if progress:
+                progress(len(jobs))
     return out
 
 
 def summarize(served: list[Served], levels: list[int]) -> list[dict]:
-    """Per (engine, strategy, concurrency): aggregate tokens/s, mean per-request tokens/s and
-    mean time to first token, over all repeats."""
+    """Per (engine, strategy, concurrency): aggregate tokens/s, mean per-request tokens/s (of
+    the requests that made more than one token) and mean time to first token, over all
+    repeats."""
     rows = []
     keys = sorted({(s.engine, s.strategy) for s in served})
     for e, strat in keys:
@@ -154,9 +159,10 @@ def summarize(served: list[Served], levels: list[int]) -> list[dict]:
             for s in mine:      # a wave's wall time is its last request's last token
                 waves[s.repeat, s.wave] = max(waves.get((s.repeat, s.wave), 0.0), s.last)
             tokens = sum(len(s.tokens) for s in mine)
+            rates = [s.tokens_per_sec for s in mine if s.tokens_per_sec is not None]
             rows.append({"engine": e, "strategy": strat, "concurrency": n,
                          "aggregate_tps": tokens / sum(waves.values()),
-                         "request_tps": sum(s.tokens_per_sec for s in mine) / len(mine),
+                         "request_tps": sum(rates) / max(1, len(rates)),
                          "ttft_s": sum(s.first for s in mine) / len(mine),
                          "requests": len(mine)})
     return rows
