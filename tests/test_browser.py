@@ -197,7 +197,7 @@ def test_hostile_model_output_is_rendered_inert(browser, monkeypatch, tmp_path):
     monkeypatch.setattr(server_mod, "stream_generate", hostile)
     family = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None), strong=None,
                              mtp=None)
-    with running(family, api_key="k") as srv:
+    with running(family, api_key="k", max_batch=1) as srv:   # the stub decodes alone
         browser.get(f"http://127.0.0.1:{srv.server_port}/")
         WebDriverWait(browser, WAIT_S).until(
             lambda d: "API key" in d.find_element(By.ID, "notice").text)

@@ -38,15 +38,16 @@ def family():
 
 @pytest.fixture
 def prefills(monkeypatch) -> list[tuple[int, int]]:
-    """(cached tokens reused, prompt tokens) of every Session.prefill while the test runs."""
+    """(cached tokens reused, prompt tokens) of every session's prefill while the test runs
+    (Session.prefill_part: the prefill of every loop, alone or in a batch)."""
     seen: list[tuple[int, int]] = []
-    real = Session.prefill
+    real = Session.prefill_part
 
     def spy(self, ids, settings, rng):
         seen.append((self.reusable(ids), len(ids)))
         return real(self, ids, settings, rng)
 
-    monkeypatch.setattr(Session, "prefill", spy)
+    monkeypatch.setattr(Session, "prefill_part", spy)
     return seen
 
 
