@@ -315,7 +315,11 @@ def machine_info() -> dict:
 
 
 def write_report(path: Path, runs: list[Run], meta: dict) -> None:
-    report = {"meta": meta, "summary": summarize(runs), "runs": [asdict(r) for r in runs]}
+    write_json(path, {"meta": meta, "summary": summarize(runs), "runs": [asdict(r) for r in runs]})
+
+
+def write_json(path: Path, report: dict) -> None:
+    """`report` as JSON at `path`, whole or not at all (written beside it, then moved)."""
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)

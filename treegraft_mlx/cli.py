@@ -399,8 +399,6 @@ def parse_levels(text: str) -> list[int]:
 def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settings, seed,
                       json_out) -> None:
     """`bench --concurrency`: bench_concurrency.py's table, and its JSON."""
-    import json
-
     from . import bench as B
     from . import bench_concurrency as C
 
@@ -414,8 +412,7 @@ def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settin
     meta = {**B.machine_info(), "command": " ".join(sys.argv), "max_tokens": max_tokens,
             "levels": levels, "temp": settings.temp, "mlx_lm_batch_differs": len(
                 C.check_greedy(served, ("mlx_lm_batch",))) if settings.greedy else None}
-    json_out.write_text(json.dumps({"meta": meta, "summary": rows,
-                                    "served": C.as_json(served)}, indent=1))
+    B.write_json(json_out, {"meta": meta, "summary": rows, "served": C.as_json(served)})
     serial = {(r["strategy"], r["concurrency"]): r["aggregate_tps"] for r in rows
               if r["engine"] == "serial"}
     for r in rows:
