@@ -212,3 +212,16 @@ def test_a_joint_plan_ranks_drafts_across_requests():
     more = rows_ms(table, len(table) + 3)
     assert more[:len(table)].tolist() == table.tolist()
     assert np.allclose(np.diff(more[len(table) - 1:]), table[-1] - table[-2])
+
+
+@pytest.mark.parametrize("strategy", ["treegraft", "ngram"])
+def test_a_request_joined_at_any_step_reads_its_forward_in_flight_first(family, strategy):
+    """A tree strategy alone queues its next AR forward ahead (pipelined); a second request
+    joining at any of its first steps must not make it run that row again."""
+    text, other = prompts(2)
+    want = alone(family, dict(prompt=text, strategy=strategy, max_tokens=40))
+    for join in range(1, 9):
+        got = decode_together(family, [dict(prompt=text, strategy=strategy, max_tokens=40),
+                                       dict(prompt=other, strategy="ar", max_tokens=6)],
+                              [0, join])
+        assert joined(got[0]) == want, join
