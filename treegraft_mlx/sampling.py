@@ -152,10 +152,3 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     """One token from a probability vector (inverse CDF on a single uniform)."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), len(p) - 1))
-
-
-def pick(logits: mx.array, s: SamplerSettings, rng: np.random.Generator) -> int:
-    """One token from one row of logits, drawn on the device with a key from `rng`: only
-    the token leaves the device."""
-    key = None if s.greedy else mx.random.key(int(rng.integers(2**31)))
-    return int(sample_token(logits, s, key).item())

@@ -93,7 +93,8 @@ class Session:
 
     def prefill_part(self, ids: list[int], settings: SamplerSettings,
                      rng: np.random.Generator) -> Part:
-        """`prefill` as a step part (step.py): one block a chunk, then the first token's read."""
+        """`prefill` as a step part (parts.py): one block a chunk, then the first token's read,
+        drawn on the device with a key from `rng` (only the token leaves the device)."""
         keep = self.cache.rewindable(self.reusable(ids))
         history = History(ids, capacity=len(ids) + 1024)
         if keep:
