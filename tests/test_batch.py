@@ -225,3 +225,43 @@ def test_a_request_joined_at_any_step_reads_its_forward_in_flight_first(family, 
                                        dict(prompt=other, strategy="ar", max_tokens=6)],
                               [0, join])
         assert joined(got[0]) == want, join
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_ar_requests_together_queue_their_next_row_before_each_read(family, monkeypatch, temp):
+    """AR requests together are pipelined as one alone is: at every readback after its first
+    forward, a lane's next row (its lazy token's) is already in the batch's queued forward, so
+    on a GPU the device works while the host accepts and streams; and a step waits once."""
+    from treegraft_mlx.sampling import SamplerSettings
+    from treegraft_mlx.waits import Waits
+
+    batch, ahead = Batch(family), []
+    real = batch_module.read_back
+
+    def reading(*parts):
+        for one in batch.lanes:
+            session = one.decoder.session
+            if isinstance(one.want, batch_module.Read) and session.history is not None:
+                ahead.append(session.cache.offset - len(session.history.tokens))
+        return real(*parts)
+
+    monkeypatch.setattr(batch_module, "read_back", reading)
+    settings = SamplerSettings(temp=temp)
+    requests = [dict(prompt=p, strategy="ar", max_tokens=n, seed=5, settings=settings)
+                for p, n in zip(prompts(3), (12, 20, 20))]
+    for i, r in enumerate(requests):
+        batch.add(lane(family, **r, tag=i))
+    waits, got = [], [[] for _ in requests]
+    while len(batch.lanes) > 1:
+        with Waits() as counted:
+            for one, r in batch.step():
+                got[one.tag] += r.tokens
+        waits.append(counted.count)
+    assert ahead and set(ahead) == {1}
+    assert max(waits[1:]) == 1 and waits.count(1) >= 18     # the first: the prefills
+    while batch.lanes:
+        for one, r in batch.step():
+            got[one.tag] += r.tokens
+    for r, tokens in zip(requests, got):
+        assert tokens == generate(family, r["prompt"], "ar", max_tokens=r["max_tokens"],
+                                  seed=5, settings=settings).token_ids

@@ -121,6 +121,7 @@ class Batch:
         self._size()
         if any(isinstance(one.want, RequestBlock) for one in self.lanes):
             self._forward()
+        if any(isinstance(one.want, Read) for one in self.lanes):
             self._read()
         out = []
         for one in self.lanes:

@@ -8,9 +8,11 @@ AR steps are pipelined as in `mlx_lm`: the next forward is queued before a token
 Decoding `together` (batch.py), the same loop also yields what its forwards and reads want
 (parts.py: a RequestBlock, then a Read, before each committed block; first, where the step
 verifies drafts it sized, its tree offered to the batch's joint plan), so a batch runs them
-with other requests'; its AR steps are then not pipelined: the batch's forward is one for all.
-A batch may switch `together` between steps (a request alone in it decodes as alone, here
-pipelined); a forward still in flight at the switch is read first, and no new one queued.
+with other requests'. AR steps stay pipelined there: the next row (its lazy token's) is
+yielded into the batch's next forward before the current token's Read, so a batch of AR
+requests waits once a step with the next forward queued, as one request alone does. A batch
+may switch `together` between steps (a request alone in it decodes as alone); a forward in
+flight at the switch is carried on either side, never run again.
 """
 
 from __future__ import annotations
@@ -124,9 +126,13 @@ class Decoder:
         before, or now), the next one queued first where the plan says; else the child the
         token confirms keeps its drafts (returned) for the next step."""
         ahead, after = queued is not None, None
-        if self.together:   # a forward queued before the batch took this request: read it
-            nxt = (queued.read(self._scored) if queued is not None else
-                   (yield from self._ar_row(forward, plan.tree.token[0])))
+        if self.together and queued is None:
+            nxt = yield from self._ar_row(forward, plan.tree.token[0])
+        elif self.together:   # the next row rides in the batch's forward before this read
+            waiting = self._scored is not None and self._scored.pending()
+            if plan.ahead and not waiting:
+                after = forward.queue((yield forward.block(queued.token)))
+            nxt = queued.finish((yield Read(queued.parts(self._scored))), self._scored)
         else:
             queued = queued or forward(mx.array(plan.tree.token[0]))
             waiting = self._scored is not None and self._scored.pending()   # see Queued.read
@@ -146,7 +152,10 @@ class Decoder:
         """Up to `steps` AR steps (None: without end), the next forward queued before the
         current token is read back (one wait a step). Continues a `queued` forward of `root`;
         returns the new root and its forward, in flight, so no run ends in an idle device.
-        In a tree strategy this is a plain stretch, which the policy watches and measures."""
+        In a tree strategy this is a plain stretch, which the policy watches and measures.
+        Together, each forward is the batch's: a stretch begun with nothing in flight yields
+        its root's row a step before its first read (one step's bubble, as alone it queues
+        two forwards at once)."""
         history, policy = self.session.history, self.policy
         if policy is not None:
             policy.begin_stretch()
@@ -154,10 +163,12 @@ class Decoder:
                 self.trace(f"stretch of {steps} AR steps")
         try:
             for _ in range(steps) if steps else count():
-                if self.together:
-                    guess, after = policy.guess(history) if policy else None, None
-                    nxt = (queued.read(self._scored) if queued is not None else
-                           (yield from self._ar_row(forward, history.root)))
+                if self.together:     # as below, each forward the batch's (one a step)
+                    if queued is None:
+                        queued = forward.queue((yield forward.block(history.root)))
+                    after = forward.queue((yield forward.block(queued.token)))
+                    guess = policy.guess(history) if policy else None
+                    nxt = queued.finish((yield Read(queued.parts(self._scored))), self._scored)
                 else:
                     queued = queued or forward(mx.array(history.root))
                     after = forward(queued.token)

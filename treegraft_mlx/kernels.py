@@ -108,14 +108,19 @@ def _kernel(kind: str, name: str):
                                ensure_row_contiguous=False)
 
 
-@lru_cache(maxsize=4)
+# Every mask of one forward stays cached across its layers: up to two per request (its full
+# and its sliding-window view), for a batch of up to 16 requests; fewer rebuilds them per layer.
+MASKS_PER_FORWARD = 32
+
+
+@lru_cache(maxsize=MASKS_PER_FORWARD)
 def dense_mask(mask: TreeMask) -> mx.array:
     """(rows, context + rows) boolean mask for the MLX-ops path, built once per forward (every
     layer reads the same mask object)."""
     return mx.array(mask.dense())
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=MASKS_PER_FORWARD)
 def device_bits(mask: TreeMask) -> mx.array:
     return mx.array(mask.bits)
 
