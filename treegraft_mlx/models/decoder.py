@@ -164,7 +164,13 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if isinstance(cache, Segments):  # a packed forward: per request from here on
+        if isinstance(cache, Segments) and self.rope.window is None:
+            # A packed forward: one RoPE for every request's rows at their own positions
+            # (longrope picks its factors per request, below), attention per request.
+            q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
+            out = cache.each(lambda s, q, k, v: self.attend_roped(
+                q, k, v, s.mask, s.cache, layer, s.first_key), q, k, v)
+        elif isinstance(cache, Segments):
             out = cache.each(lambda s, q, k, v: self.attend_block(
                 q, k, v, s.positions, s.mask, s.cache, layer, s.first_key), q, k, v)
         else:
@@ -176,6 +182,11 @@ class Attention(nn.Module):
         """One request's normed q, k, v (1, heads, L, head_dim): RoPE at its positions, its
         cache, its mask; the attention output (1, heads, L, head_dim)."""
         q, k = self.rope(q, positions), self.rope(k, positions)
+        return self.attend_roped(q, k, v, mask, cache, layer, first_key)
+
+    def attend_roped(self, q: mx.array, k: mx.array, v: mx.array, mask,
+                     cache: Optional[KVCache], layer: int, first_key: int) -> mx.array:
+        """attend_block after RoPE: the cache write, the window, the masked attention."""
         if cache is not None:
             k, v = cache.write(layer, k, v)
         if first_key:  # a sliding-window layer: keys before the window are never read

@@ -45,13 +45,20 @@ class Segments:
         if not parts:
             raise ValueError("a packed forward needs at least one request")
         self.parts = parts
+        # Every row's position, in row order (lazy): what one RoPE over all rows takes.
+        self.positions = mx.concatenate([
+            mx.arange(s.positions, s.positions + s.rows, dtype=mx.int32)
+            if isinstance(s.positions, int) else s.positions.astype(mx.int32).reshape(-1)
+            for s in parts])
 
     def each(self, step: Callable[..., mx.array], *arrays: Optional[mx.array],
              axis: int = 2) -> mx.array:
         """`step(segment, *rows)` for every request, each on its own rows of `arrays` (rows
         along `axis`; None passes as None), concatenated along `axis` in row order."""
-        def rows(a: Optional[mx.array], s: Segment) -> Optional[mx.array]:
-            return None if a is None else a[(slice(None),) * axis + (slice(s.start, s.end),)]
-
-        outs = [step(s, *(rows(a, s) for a in arrays)) for s in self.parts]
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=axis)
+        if len(self.parts) == 1:
+            return step(self.parts[0], *arrays)
+        cuts = [s.start for s in self.parts[1:]]
+        split = [[None] * len(self.parts) if a is None else mx.split(a, cuts, axis=axis)
+                 for a in arrays]
+        outs = [step(s, *(rows[i] for rows in split)) for i, s in enumerate(self.parts)]
+        return mx.concatenate(outs, axis=axis)
