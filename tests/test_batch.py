@@ -265,3 +265,35 @@ def test_ar_requests_together_queue_their_next_row_before_each_read(family, monk
     for r, tokens in zip(requests, got):
         assert tokens == generate(family, r["prompt"], "ar", max_tokens=r["max_tokens"],
                                   seed=5, settings=settings).token_ids
+
+
+def test_a_chain_in_a_batch_is_priced_against_the_requests_it_delays(family, monkeypatch):
+    """A priced request in company chooses its chain length for the batch (CallPolicy.shared,
+    given the other lanes' tokens a step and the step's time), not for itself, and its steps
+    in the batch teach the call policy no times: those are the batch's."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    seen, chose = [], []
+    real_shared, real_choose = CallPolicy.shared, CallPolicy.choose
+    monkeypatch.setattr(CallPolicy, "shared",
+                        lambda self, b, c: seen.append(c) or real_shared(self, b, c))
+    monkeypatch.setattr(CallPolicy, "choose",
+                        lambda self, b: chose.append(b) or real_choose(self, b))
+    texts = prompts(3)
+    generate(family, texts[0], "treegraft", max_tokens=64)       # timed alone first
+    policies = list(family.learned.call_policies.values())
+    assert policies and chose
+    batch = Batch(family)
+    for i, p in enumerate(texts):
+        batch.add(lane(family, p, "treegraft", max_tokens=40, tag=i))
+    batch.step()                                   # untimed yet: each plans as alone
+    steps = 0
+    while len(batch.lanes) == 3:
+        tries, asked = [p.tries.copy() for p in policies], len(chose)
+        batch.step()
+        if len(batch.lanes) == 3:
+            steps += 1
+            assert len(chose) == asked
+            assert all(np.array_equal(t, p.tries) for t, p in zip(tries, policies))
+    assert steps > 5 and seen
+    assert all(c.tokens >= 2 * 0.5 and c.ms > 0 for c in seen)

@@ -650,3 +650,27 @@ def test_probe_plan_scales_to_the_model():
     slow = plan_probe(200.0, 32)  # a 7B-class model on a slow device: a thinner probe
     assert slow.forwards() < quick.forwards() and slow.sizes[-1] == 32 and 8 in slow.sizes
     assert slow.forwards() * 200.0 <= 1000 * PROBE_SECONDS
+
+
+def test_call_policy_shared_prices_a_chain_against_the_batch_it_delays():
+    """Requests sharing a forward: a length is chosen for the batch's rate, (company's tokens
+    + the request's) over (the batch's step + the time the length adds). With no company it
+    is the request's own best length, on random tables; a company big enough prices a chain
+    that pays alone out; nothing timed yet, no call."""
+    from treegraft_mlx.pricing import CallPolicy, Company
+
+    policy = CallPolicy()
+    assert policy.shared(0, Company(3.0, 40.0)) == 0               # nothing measured
+    _policy_steps(policy, 0, 1000, matched=2)      # 1 + min(k, 2) tokens in 10 + 5k ms
+    assert policy.best(0) == 2 and policy.tries[0, 0] == 0        # no call was never timed
+    # A chain wins 1 token per 5 ms: worth it while the batch commits fewer tokens per ms.
+    assert policy.shared(0, Company(0.0, 10.0)) == 2
+    assert policy.shared(0, Company(1.0, 15.0)) == 2
+    assert policy.shared(0, Company(9.0, 40.0)) == 0
+    rng = np.random.default_rng(0)
+    policy.plain[0] = 1.0                  # what steps without a call committed
+    for _ in range(200):
+        policy.ms[0] = rng.uniform(5, 30, policy.LONGEST + 1)
+        policy.tries[0] = rng.integers(0, 6, policy.LONGEST + 1)
+        policy.tries[0, 0] = policy.TRIES
+        assert policy.shared(0, Company(0.0, policy.ms[0, 0])) == policy.best(0)

@@ -25,9 +25,12 @@ from .family import Family, TreeConfig
 from .generate import Prompt, Response, stream
 from .packed import refusal, run_together
 from .parts import Read, RequestBlock, run_alone
-from .pricing import Candidate, plan_jointly
+from .pricing import Candidate, Company, plan_jointly
 from .readback import read_back
 from .sampling import SamplerSettings
+
+
+PACE_EMA = 0.1    # how fast a lane's tokens a step and the batch's step time follow change
 
 
 class Inbox:
@@ -57,6 +60,7 @@ class Lane:
     error: Optional[Exception] = None    # why its decoding failed, if it did
     cancelled: bool = False
     tag: Any = None                      # the caller's (the server's job)
+    pace: float = 1.0                    # tokens it commits a step (a moving average)
 
     @property
     def done(self) -> bool:
@@ -99,6 +103,8 @@ class Batch:
     forwards: int = 0          # target forwards this batch ran
     rows: int = 0              # rows they ran, all lanes together
     lanes_run: int = 0         # lanes they ran, summed over forwards
+    step_ms: float = 0.0       # wall time a step (a moving average; 0 before a second step)
+    _began: Optional[float] = None    # when the last step began
 
     def __post_init__(self):
         why = refusal(self.family.target)
@@ -116,6 +122,7 @@ class Batch:
         A lane alone in the batch decodes as a request alone does (pipelined: its generator
         runs its own forwards and yields committed blocks); with company, together."""
         self._drop()
+        self._clock()
         for one in self.lanes:
             one.decoder.together = len(self.lanes) > 1
         self._size()
@@ -123,19 +130,39 @@ class Batch:
             self._forward()
         if any(isinstance(one.want, Read) for one in self.lanes):
             self._read()
-        out = []
+        out, going = [], []
         for one in self.lanes:
             if isinstance(one.want, list) and not one.done:
+                one.pace += PACE_EMA * (len(one.want) - one.pace)
                 one.inbox.blocks.append(one.want)
                 r = self._response(one)
                 if r is not None:
                     one.last = r
                     out.append((one, r))
                 if not one.done:
-                    one.send(None)
+                    going.append(one)
+        for one in going:        # on to its next want, planned knowing its company
+            one.decoder.company = self._company(one)
+            one.send(None)
         out += [(one, one.error) for one in self.lanes if one.error is not None]
         self._drop()
         return out
+
+    def _clock(self) -> None:
+        """The step time's moving average, from one step's start to the next's."""
+        now = time.perf_counter()
+        if self._began is not None:
+            ms = 1000 * (now - self._began)
+            self.step_ms = ms if self.step_ms == 0 else self.step_ms + PACE_EMA * (
+                ms - self.step_ms)
+        self._began = now
+
+    def _company(self, one: Lane) -> Optional[Company]:
+        """What `one` shares its forward with: the other lanes' tokens a step, the step's
+        time (None before a step was timed: the lane then plans as alone would)."""
+        if self.step_ms == 0:
+            return None
+        return Company(sum(o.pace for o in self.lanes if o is not one), self.step_ms)
 
     def _size(self) -> None:
         """The trees the lanes offer, sized together around the other lanes' blocks

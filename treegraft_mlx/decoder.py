@@ -26,6 +26,7 @@ import numpy as np
 
 from .history import History
 from .policy import STRETCH, VERIFY, Policy, StepPlan, drafters_for, make_policy
+from .pricing import Company
 from .sampling import SamplerSettings, device_key
 from .scheduler import Schedule
 from .session import Session
@@ -49,6 +50,7 @@ class Decoder:
                  trace: Optional[Callable[[str], None]] = None, together: bool = False):
         strategy = runs_on(strategy, session)
         self.together = together
+        self.company: Optional[Company] = None   # the others in the batch (batch.py sets it)
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng
         self.trace, self.clock = trace, session.family.clock
         self._key = partial(device_key, rng)   # device random keys from the seeded generator
@@ -96,7 +98,8 @@ class Decoder:
         queued: Optional[Queued] = None        # the forward of `root`, in flight
         carried: Optional[DraftTree] = None    # drafts below `root` kept from the last step
         while True:
-            plan = self.policy.next(root, carried, queued is not None, self.together)
+            plan = self.policy.next(root, carried, queued is not None, self.together,
+                                    self.company if self.together else None)
             if plan.offer is not None:    # sized with the other requests' trees (batch.py)
                 plan = self.policy.sized(plan, (yield plan.offer))
             carried = None

@@ -21,7 +21,7 @@ import mlx.core as mx
 from .build import TreeBuild
 from .drafters import Drafters, QueuedChain
 from .history import History
-from .pricing import CallPolicy, Candidate, Fallback, Sizer
+from .pricing import CallPolicy, Candidate, Company, Fallback, Sizer
 from .sampling import DeviceDraws, SamplerSettings
 from .scheduler import FixedSchedule, LearnedSchedule, Schedule
 from .session import Session
@@ -93,11 +93,13 @@ class Policy:
             self.fallback.new_text()
 
     def next(self, root: int, carried: Optional[DraftTree], in_flight: bool,
-             joint: bool = False) -> StepPlan:
+             joint: bool = False, company: Optional[Company] = None) -> StepPlan:
         """The step after `root` (`carried`: the drafts below it kept from the last step;
         `in_flight`: its AR forward is already queued, so the step reads it). `joint`: a
         batch sizes every request's tree together, so a sized step verifying drafts offers
-        its whole tree (StepPlan.offer) and is completed by `sized`."""
+        its whole tree (StepPlan.offer) and is completed by `sized`; `company`: the other
+        requests of that batch, against whom a chain drafter's call is priced
+        (CallPolicy.shared)."""
         t0 = self.clock()
         if self.sizer is None:
             return self._fixed(root, t0)
@@ -112,7 +114,7 @@ class Policy:
             built, layers = carried, []
         elif self.calls is not None:
             build, plan, choice, chain = self._priced_build(
-                root, fresh and self.strategy.ngram, in_flight)
+                root, fresh and self.strategy.ngram, in_flight, company)
             built, layers, t_schedule = build.tree, build.used, build.t_schedule
             fresh = fresh and chain is None   # the sizer prices n-gram drafting without calls
         elif fresh:
@@ -137,7 +139,9 @@ class Policy:
         if not in_flight and (len(tree) > 1 or k):
             return StepPlan(VERIFY, tree, chain=chain,
                             rows=self.sizer.costs.rows_for(len(tree) + k), **common)
-        ahead = len(tree) == 1 and not (self.calls is not None and self.calls.peek(0) > 0)
+        calls_next = self.calls is not None and (
+            self.calls.shared(0, company) if company is not None else self.calls.peek(0)) > 0
+        ahead = len(tree) == 1 and not calls_next
         return StepPlan(AR, tree, ahead=ahead, **common)
 
     def sized(self, plan: StepPlan, sized: Plan) -> StepPlan:
@@ -174,7 +178,8 @@ class Policy:
             build.graft_chain(self.chainer, cfg.depth, cfg, history)
         return build
 
-    def _priced_build(self, root: int, ngram: bool, in_flight: bool
+    def _priced_build(self, root: int, ngram: bool, in_flight: bool,
+                      company: Optional[Company] = None
                       ) -> tuple[TreeBuild, Plan, Optional[tuple[int, int]],
                                  Optional[QueuedChain]]:
         """The n-gram tree, planned by the Sizer, and the chain drafter's chain of the length
@@ -184,7 +189,9 @@ class Policy:
         (committed tokens the drafter had not seen: after a plain stretch), whose cost is the
         stretch's, not the call's. No call while the root's forward is `in_flight`: the
         drafter's forward would wait for it on the same stream and leave the next forward
-        unqueued."""
+        unqueued. With `company` (a batch), the length is priced against the batch's shared
+        forward (CallPolicy.shared) and the step teaches the call policy nothing: its time
+        is the batch's, not this request's."""
         cfg, history = self.session.tree, self.session.history
         build = TreeBuild.rooted_at(root)
         if ngram:
@@ -193,7 +200,9 @@ class Policy:
         t0 = self.clock()
         bucket = self.calls.bucket(plan.expected)
         k = 0
-        if in_flight:
+        if company is not None:
+            k = 0 if in_flight else self.calls.shared(bucket, company)
+        elif in_flight:
             self.calls.pass_by(bucket)
         else:
             k = self.calls.choose(bucket)
@@ -207,7 +216,8 @@ class Policy:
             if chain is not None:
                 plan = self.sizer.plan(build.tree, history.committed, chain=len(chain))
         choice = (bucket, len(chain) if chain is not None else 0)
-        return build, plan, choice if steady or chain is None else None, chain
+        learns = company is None and (steady or chain is None)
+        return build, plan, choice if learns else None, chain
 
     def learn(self, plan: StepPlan, block: list[int], timed: bool = True) -> None:
         """`plan` committed `block` (the tokens after its root). The fallback and the call

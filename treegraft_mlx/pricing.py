@@ -95,6 +95,16 @@ class Candidate:
     costs: StepCosts
 
 
+@dataclass(frozen=True)
+class Company:
+    """The other requests sharing a batch's forward, as one request's call policy sees them:
+    the tokens they commit a step (summed; each a moving average) and the batch's step time
+    (ms, a moving average)."""
+
+    tokens: float
+    ms: float
+
+
 def plan_jointly(candidates: list[Candidate], other_rows: int = 0) -> list[Plan]:
     """One plan for a batch's forward (docs/design.md §23): every candidate's forced rows and
     the `other_rows` of requests that run fixed blocks (an AR row, a prefill chunk) are kept;
@@ -235,6 +245,30 @@ class CallPolicy:
         if not tried.any():
             return self.START
         return int(np.argmax(np.where(tried, self.rate(bucket), -1.0)))
+
+    def shared(self, bucket: int, company: Company) -> int:
+        """The length for a step whose forward `company` shares: the one that makes the whole
+        batch fastest, (company's tokens + this request's) over (the batch's step + the time
+        the length adds to a step without a call). A chain's drafter forwards and rows delay
+        every request in the forward, so the tokens it wins must pay for the company's time
+        too: a request's own rate would count the company's time as bought by nobody, and
+        call more the bigger the batch. With no company (0 tokens, a step of a step without
+        a call) this is `best` wherever no call was timed. Lengths are priced on what
+        requests alone measured (steps in a batch are not timed: their time is the batch's).
+        Where no call was not timed, its time is the line through the timed lengths' at 0;
+        with fewer than two of those, no call."""
+        tried = np.flatnonzero(self.tries[bucket] >= self.TRIES)
+        ms = self.ms[bucket].copy()
+        if 0 not in tried:
+            if len(tried) < 2:
+                return 0
+            ms[0] = np.polyfit(tried, ms[tried], 1)[1]
+            tried = np.concatenate([[0], tried])
+        tokens = self.expected(bucket)
+        if tokens[0] <= 0:      # no step without a call yet: its tokens as the model has them
+            tokens[0] = 1.0 + self.ngram[bucket, 1:].sum()
+        value = (company.tokens + tokens[tried]) / (company.ms + ms[tried] - ms[0])
+        return int(tried[np.argmax(value)])
 
     def _around(self, bucket: int) -> list[int]:
         """The best length in `bucket` and its neighbours, best first."""
