@@ -202,6 +202,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "                    after = None\n",
            "AR requests together read each token before queueing the next row (outputs "
            "unchanged; the device idles while the host accepts)", ("tests/test_batch.py",)),
+    Mutant("batch-call-priced-alone", "treegraft_mlx/pricing.py",
+           "value = (company.tokens + tokens[tried])", "value = (tokens[tried])",
+           "a chain in a batch is priced on its own request's tokens over the batch's time, "
+           "so the bigger the batch the more it calls", ("tests/test_engine.py",)),
     Mutant("joint-plan-prices-one-row-late", "treegraft_mlx/pricing.py",
            "ms[forced - 1:forced + len(pool)]", "ms[forced:forced + len(pool) + 1]",
            "the joint plan prices every size one row too dear", ("tests/test_batch.py",)),

@@ -173,6 +173,32 @@ def test_bench_concurrency_small_run(tmp_path):
     assert r.exit_code == 2 and "--concurrency" in r.output
 
 
+def test_bench_concurrency_over_http(tmp_path):
+    """`bench --concurrency --http`: three server processes (ours one at a time and batching,
+    mlx_lm.server) answer every wave, streamed; every request's text under greedy decoding
+    equals the one-at-a-time server's `ar`; token counts are the servers' usage; `--http`
+    without `--concurrency` is refused."""
+    out = tmp_path / "http.json"
+    r = run("bench", "--prompts", str(SUITE), "--strategies", "ar,ngram", "--per-category",
+            "1", "--max-tokens", "6", "--concurrency", "1,2", "--http", "--json", str(out))
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    rows = {(x["engine"], x["strategy"], x["concurrency"]): x for x in report["summary"]}
+    assert set(rows) == {(e, s, n) for e in ("serial_http", "batch_http") for s in ("ar", "ngram")
+                         for n in (1, 2)} | {("mlx_lm_server", "ar", n) for n in (1, 2)}
+    served = report["served"]
+    assert served and all(0 < x["count"] <= 6 and x["text"] for x in served)
+    assert all(x["first"] <= x["last"] for x in served) and report["meta"]["over_http"]
+    ours = {}
+    for x in served:
+        if x["engine"] != "mlx_lm_server":
+            ours.setdefault(x["prompt_id"], set()).add(x["text"])
+    assert all(len(texts) == 1 for texts in ours.values())
+    assert "x1.00 vs serial" in r.output
+    r = run("bench", "--prompts", str(SUITE), "--http", "--json", str(out))
+    assert r.exit_code == 2 and "--concurrency" in r.output
+
+
 def test_convert_command(tmp_path):
     src = make_checkpoint(tmp_path / "src", "qwen3")
     r = run("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "out"), "-q",

@@ -37,16 +37,22 @@ class Served:
     repeat: int
     wave: int
     prompt_id: str
-    tokens: list[int]
+    tokens: list[int]     # its tokens (over HTTP: none, the server counts them)
     first: float          # its first token
     last: float           # its last token
+    text: Optional[str] = None     # over HTTP: what it streamed
+    count: Optional[int] = None    # over HTTP: its tokens, as the server's usage counts them
+
+    @property
+    def generated(self) -> int:
+        return self.count if self.count is not None else len(self.tokens)
 
     @property
     def tokens_per_sec(self) -> Optional[float]:
         """None for a request that ended at its first token (nothing to time)."""
-        if len(self.tokens) < 2 or self.last <= self.first:
+        if self.generated < 2 or self.last <= self.first:
             return None
-        return (len(self.tokens) - 1) / (self.last - self.first)
+        return (self.generated - 1) / (self.last - self.first)
 
 
 def serial(family: Family, prompts: list[dict], strategy: str, max_tokens: int,
@@ -158,7 +164,7 @@ def summarize(served: list[Served], levels: list[int]) -> list[dict]:
             waves: dict = {}
             for s in mine:      # a wave's wall time is its last request's last token
                 waves[s.repeat, s.wave] = max(waves.get((s.repeat, s.wave), 0.0), s.last)
-            tokens = sum(len(s.tokens) for s in mine)
+            tokens = sum(s.generated for s in mine)
             rates = [s.tokens_per_sec for s in mine if s.tokens_per_sec is not None]
             rows.append({"engine": e, "strategy": strat, "concurrency": n,
                          "aggregate_tps": tokens / sum(waves.values()),

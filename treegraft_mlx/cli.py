@@ -334,9 +334,12 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
               help="Concurrent requests, e.g. 1,2,4: each strategy served one at a time and "
               "decoded together, beside mlx_lm's BatchGenerator (aggregate and per-request "
               "tokens/s, time to first token).")
+@click.option("--http", "over_http", is_flag=True,
+              help="With --concurrency: over HTTP, each engine a server process of its own "
+              "(treegraft serve one at a time and batching, mlx_lm.server), streaming.")
 def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, warmup,
           per_category, temp, top_p, top_k, min_p, seed, budget, json_out, plot_out,
-          concurrency) -> None:
+          concurrency, over_http) -> None:
     """Benchmark strategies side by side (one process, alternating order)."""
     import dataclasses
     from pathlib import Path
@@ -350,13 +353,19 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
     if "ar" not in names:
         names.insert(0, "ar")
     levels = parse_levels(concurrency) if concurrency is not None else None
+    if over_http and levels is None:
+        raise click.UsageError("--http benchmarks concurrency: give --concurrency too")
+    if over_http and draft_models:
+        raise click.UsageError("--http serves each engine's default drafters: drop "
+                               "--draft-model")
     family = load_family(ModelSource(model, draft_models=draft_models))
     prompts = B.read_prompts(Path(prompts_file))
     if per_category:
         prompts = B.first_per_category(prompts, per_category)
     if levels is not None:
         return bench_concurrency(family, prompts, [n for n in names if not n.startswith("mlx_lm")],
-                                 levels, max_tokens, repeat, settings, seed, Path(json_out))
+                                 levels, max_tokens, repeat, settings, seed, Path(json_out),
+                                 model, over_http)
     tree = dataclasses.replace(family.tree, budget=budget) if budget else None
     with click.progressbar(length=len(prompts) * len(names) * repeat, label="bench",
                            file=sys.stderr) as bar:
@@ -397,24 +406,35 @@ def parse_levels(text: str) -> list[int]:
 
 
 def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settings, seed,
-                      json_out) -> None:
-    """`bench --concurrency`: bench_concurrency.py's table, and its JSON."""
+                      json_out, model=None, over_http=False) -> None:
+    """`bench --concurrency`: bench_concurrency.py's table (bench_http.py's, `over_http`),
+    and its JSON."""
     from . import bench as B
     from . import bench_concurrency as C
+    from . import bench_http as H
 
-    engines = len(C.ENGINES) - 1 + len(names)
+    engines = 2 * len(names) + 1      # serial and together per strategy, and mlx_lm's
     with click.progressbar(length=repeat * len(levels) * engines, label="bench",
                            file=sys.stderr) as bar:
-        served = C.run_concurrency(family, prompts, names, levels, max_tokens, repeat,
-                                   settings, seed, progress=bar.update)
+        if over_http:
+            served = H.run_http(model, family.model_paths["target"], prompts, names, levels,
+                                max_tokens, repeat, settings, seed, progress=bar.update)
+        else:
+            served = C.run_concurrency(family, prompts, names, levels, max_tokens, repeat,
+                                       settings, seed, progress=bar.update)
     rows = C.summarize(served, levels)
-    mismatches = C.check_greedy(served) if settings.greedy else []
+    if over_http:
+        mismatches = H.check_greedy_text(served) if settings.greedy else []
+        base_engine, checked = "serial_http", {}
+    else:
+        mismatches = C.check_greedy(served) if settings.greedy else []
+        base_engine, checked = "serial", {"mlx_lm_batch_differs": len(
+            C.check_greedy(served, ("mlx_lm_batch",))) if settings.greedy else None}
     meta = {**B.machine_info(), "command": " ".join(sys.argv), "max_tokens": max_tokens,
-            "levels": levels, "temp": settings.temp, "mlx_lm_batch_differs": len(
-                C.check_greedy(served, ("mlx_lm_batch",))) if settings.greedy else None}
+            "levels": levels, "temp": settings.temp, "over_http": over_http, **checked}
     B.write_json(json_out, {"meta": meta, "summary": rows, "served": C.as_json(served)})
     serial = {(r["strategy"], r["concurrency"]): r["aggregate_tps"] for r in rows
-              if r["engine"] == "serial"}
+              if r["engine"] == base_engine}
     for r in rows:
         base = serial.get((r["strategy"], r["concurrency"])) or serial.get(("ar", r["concurrency"]))
         click.echo(f"{r['engine']:>13} {r['strategy']:>12} x{r['concurrency']:<3} "

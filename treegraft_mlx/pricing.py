@@ -252,11 +252,11 @@ class CallPolicy:
         the length adds to a step without a call). A chain's drafter forwards and rows delay
         every request in the forward, so the tokens it wins must pay for the company's time
         too: a request's own rate would count the company's time as bought by nobody, and
-        call more the bigger the batch. With no company (0 tokens, a step of a step without
-        a call) this is `best` wherever no call was timed. Lengths are priced on what
-        requests alone measured (steps in a batch are not timed: their time is the batch's).
-        Where no call was not timed, its time is the line through the timed lengths' at 0;
-        with fewer than two of those, no call."""
+        call more the bigger the batch. With no company (0 tokens, the time of a step without
+        a call) and that step timed, this is `best`. Lengths are priced on what requests
+        alone measured (steps in a batch are not timed: their time is the batch's). Where a
+        step without a call was never timed, its time is the line through the timed lengths'
+        at 0; with fewer than two lengths timed, no call."""
         tried = np.flatnonzero(self.tries[bucket] >= self.TRIES)
         ms = self.ms[bucket].copy()
         if 0 not in tried:
