@@ -189,6 +189,7 @@ def test_bench_concurrency_over_http(tmp_path):
     served = report["served"]
     assert served and all(0 < x["count"] <= 6 and x["text"] for x in served)
     assert all(x["first"] <= x["last"] for x in served) and report["meta"]["over_http"]
+    assert report["meta"]["mlx_lm_server_differs"] == 0      # our compute dtype, same tokens
     ours = {}
     for x in served:
         if x["engine"] != "mlx_lm_server":

@@ -37,6 +37,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_dtype(target: Path, dtype, dest: Path) -> Path:
+    """`target` with its floating weights cast to `dtype` in `dest` (everything else copied),
+    for `mlx_lm.server`, which computes in the stored dtype: ours casts to this device's
+    compute dtype (fp32 on a CPU), and the two must run the same arithmetic. `target` itself
+    where it is stored in `dtype` already."""
+    import shutil
+
+    import mlx.core as mx
+
+    files = sorted(target.glob("*.safetensors"))
+    weights = {f: mx.load(str(f)) for f in files}
+    if all(w.dtype == dtype for ws in weights.values() for w in ws.values()
+           if mx.issubdtype(w.dtype, mx.floating)):
+        return target
+    for f in target.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy2(f, dest / f.name)
+    for f, ws in weights.items():
+        mx.save_safetensors(str(dest / f.name), {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in ws.items()}, metadata={"format": "mlx"})
+    return dest
+
+
 def commands(model: Optional[str], target: Path, port: int) -> dict:
     """The command line of each engine's server on `port`."""
     ours = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "serve",
@@ -134,16 +158,18 @@ def body_for(engine: str, strategy: str, max_tokens: int, settings: SamplerSetti
     return body
 
 
-def run_http(model: Optional[str], target: Path, prompts: list[dict], strategies: list[str],
-             levels: list[int], max_tokens: int, repeat: int = 1,
+def run_http(model: Optional[str], target: Path, dtype, prompts: list[dict],
+             strategies: list[str], levels: list[int], max_tokens: int, repeat: int = 1,
              settings: SamplerSettings = SamplerSettings(), seed: int = 0,
              progress=None) -> list[Served]:
     """Every (repeat, concurrency, engine, strategy) over all prompts in waves, as
-    bench_concurrency.run_concurrency, over HTTP. A first wave warms every server up."""
+    bench_concurrency.run_concurrency, over HTTP; `mlx_lm.server` runs the target's weights
+    in our compute `dtype`. A first wave warms every server up."""
     jobs = [(e, s) for e in HTTP_ENGINES for s in (strategies if e != "mlx_lm_server" else ["ar"])]
     with ExitStack() as stack:
+        copy = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="treegraft-http-")))
         ports = {}
-        for e, cmd in commands(model, target, 0).items():
+        for e, cmd in commands(model, in_dtype(target, dtype, copy), 0).items():
             port = free_port()
             cmd[cmd.index("--port") + 1] = str(port)
             ports[e] = stack.enter_context(server(cmd, port))
@@ -164,11 +190,11 @@ def run_http(model: Optional[str], target: Path, prompts: list[dict], strategies
     return out
 
 
-def check_greedy_text(served: list[Served]) -> list[str]:
-    """Our servers' texts must equal the one-at-a-time server's `ar` for the same prompt
-    (`mlx_lm.server`'s are not checked: its padded batches round differently)."""
+def check_greedy_text(served: list[Served], engines=("serial_http", "batch_http")
+                      ) -> list[str]:
+    """The texts of `engines` must equal the one-at-a-time server's `ar` for the same prompt
+    (`mlx_lm.server`'s are counted, not failed: its padded batches round differently)."""
     ref = {s.prompt_id: s.text for s in served
            if (s.engine, s.strategy) == ("serial_http", "ar")}
     return [f"{s.engine} {s.strategy} x{s.concurrency} on {s.prompt_id}" for s in served
-            if s.engine != "mlx_lm_server" and s.prompt_id in ref
-            and s.text != ref[s.prompt_id]]
+            if s.engine in engines and s.prompt_id in ref and s.text != ref[s.prompt_id]]

@@ -417,7 +417,8 @@ def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settin
     with click.progressbar(length=repeat * len(levels) * engines, label="bench",
                            file=sys.stderr) as bar:
         if over_http:
-            served = H.run_http(model, family.model_paths["target"], prompts, names, levels,
+            served = H.run_http(model, family.model_paths["target"],
+                                family.target.model.norm.weight.dtype, prompts, names, levels,
                                 max_tokens, repeat, settings, seed, progress=bar.update)
         else:
             served = C.run_concurrency(family, prompts, names, levels, max_tokens, repeat,
@@ -425,7 +426,8 @@ def bench_concurrency(family, prompts, names, levels, max_tokens, repeat, settin
     rows = C.summarize(served, levels)
     if over_http:
         mismatches = H.check_greedy_text(served) if settings.greedy else []
-        base_engine, checked = "serial_http", {}
+        base_engine, checked = "serial_http", {"mlx_lm_server_differs": len(
+            H.check_greedy_text(served, ("mlx_lm_server",))) if settings.greedy else None}
     else:
         mismatches = C.check_greedy(served) if settings.greedy else []
         base_engine, checked = "serial", {"mlx_lm_batch_differs": len(
