@@ -31,6 +31,12 @@ HTTP_ENGINES = ("serial_http", "batch_http", "mlx_lm_server")
 READY_S = 300          # a server loads its model (and measures its costs on first use)
 
 
+# `mlx_lm.server` with the BLAS ours gets (blas.py: on Linux MLX's wheel otherwise runs its
+# bundled reference BLAS, several times slower), so the two servers run the same arithmetic.
+MLX_LM_SERVER = ("from treegraft_mlx import blas; blas.preload_openblas(); import sys; "
+                 "sys.argv[0] = 'mlx_lm.server'; from mlx_lm.server import main; main()")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,7 +73,7 @@ def commands(model: Optional[str], target: Path, port: int) -> dict:
             "--port", str(port),
             "--max-queue", "64"] + (["--model", model] if model else [])
     return {"serial_http": ours + ["--max-batch", "1"], "batch_http": ours,
-            "mlx_lm_server": [sys.executable, "-m", "mlx_lm", "server", "--model", str(target),
+            "mlx_lm_server": [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target),
                               "--port", str(port), "--log-level", "WARNING"]}
 
 
