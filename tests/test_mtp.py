@@ -214,9 +214,12 @@ def test_turns_reuse_the_prefix_stop_inside_a_block_and_drafts_are_accepted(fitt
     string inside an accepted block, and a turn after it: what fresh `ar` generations give.
     The head drafts on every step (the call policy forced to call), hears every committed
     position (its cache never restarts at a gap) and its drafts are accepted."""
-    from treegraft_mlx.pricing import CallPolicy
+    from treegraft_mlx.pricing import CallPolicy, Fallback
 
     monkeypatch.setattr(CallPolicy, "peek", lambda self, bucket: 3)
+    # Nor may a plain stretch take a turn's steps: the fallback decides on wall-clock rates,
+    # and on a loaded machine it once took every step of a turn (no call to count).
+    monkeypatch.setattr(Fallback, "next_stretch", lambda self: 0)
     family = load(fitted, warmup=False)
     session = Session(family, family.tree)
     text, accepted = PROMPT, 0

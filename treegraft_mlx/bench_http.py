@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
+
+import mlx.core as mx
 
 from .bench_concurrency import Served
 from .sampling import SamplerSettings
@@ -48,10 +52,6 @@ def in_dtype(target: Path, dtype, dest: Path) -> Path:
     for `mlx_lm.server`, which computes in the stored dtype: ours casts to this device's
     compute dtype (fp32 on a CPU), and the two must run the same arithmetic. `target` itself
     where it is stored in `dtype` already."""
-    import shutil
-
-    import mlx.core as mx
-
     files = sorted(target.glob("*.safetensors"))
     weights = {f: mx.load(str(f)) for f in files}
     if all(w.dtype == dtype for ws in weights.values() for w in ws.values()
@@ -70,8 +70,7 @@ def in_dtype(target: Path, dtype, dest: Path) -> Path:
 def commands(model: Optional[str], target: Path, port: int) -> dict:
     """The command line of each engine's server on `port`."""
     ours = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "serve",
-            "--port", str(port),
-            "--max-queue", "64"] + (["--model", model] if model else [])
+            "--port", str(port), "--max-queue", "64"] + (["--model", model] if model else [])
     return {"serial_http": ours + ["--max-batch", "1"], "batch_http": ours,
             "mlx_lm_server": [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target),
                               "--port", str(port), "--log-level", "WARNING"]}
@@ -141,8 +140,6 @@ def completion(port: int, body: dict, t0: float) -> tuple[str, int, float, float
 
 def wave(port: int, prompts: list[dict], body: dict) -> list[tuple[str, int, float, float]]:
     """Every prompt of a wave sent at once, each on its own thread."""
-    from concurrent.futures import ThreadPoolExecutor
-
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: completion(port, {**body, "prompt": p["prompt"]}, t0),
@@ -174,11 +171,10 @@ def run_http(model: Optional[str], target: Path, dtype, prompts: list[dict],
     jobs = [(e, s) for e in HTTP_ENGINES for s in (strategies if e != "mlx_lm_server" else ["ar"])]
     with ExitStack() as stack:
         copy = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="treegraft-http-")))
-        ports = {}
-        for e, cmd in commands(model, in_dtype(target, dtype, copy), 0).items():
+        weights, ports = in_dtype(target, dtype, copy), {}
+        for e in HTTP_ENGINES:
             port = free_port()
-            cmd[cmd.index("--port") + 1] = str(port)
-            ports[e] = stack.enter_context(server(cmd, port))
+            ports[e] = stack.enter_context(server(commands(model, weights, port)[e], port))
         for e, s in jobs:
             wave(ports[e], prompts[:2], body_for(e, s, 8, settings, seed))
         out: list[Served] = []
