@@ -524,3 +524,47 @@ def test_a_varlen_kernel_that_reads_the_stale_tail_fails(monkeypatch):
                    .astype(mx.float32))
     with pytest.raises(AssertionError):
         assert_close(got, want, case.dtype)
+
+
+@needs_compiler
+def test_a_packed_forward_over_a_pool_attends_in_one_varlen_call(monkeypatch):
+    """On a GPU (here its kernel emulated), a packed forward whose requests' caches are slots
+    of one pool, each block a tree or an AR row, attends every request in one varlen call a
+    layer, and its logits and written keys equal each request's forward alone."""
+    from treegraft_mlx import fixture_path, load_model
+    from treegraft_mlx.packed import RequestBlock, packed_forward
+    from treegraft_mlx.tree import positions
+
+    model = load_model(fixture_path() / "target", dtype=mx.float32)[0]
+    rng = np.random.default_rng(0)
+    tree = [-1, 0, 0, 1, 1, 3, 2]
+    contexts = [rng.integers(3, 300, n).tolist() for n in (13, 29, 7)]
+    blocks = [dict(tokens=rng.integers(3, 300, len(tree)).tolist(),
+                   positions=positions(tree, 13), mask=attention_mask(tree, 13)),
+              dict(tokens=[5]), dict(tokens=[9])]
+    pool = model.slot_pool()
+    slots = [pool.take(64) for _ in contexts]
+    want = []
+    for ctx, block, slot in zip(contexts, blocks, slots):
+        solo = model.make_cache(64)
+        for cache in (solo, slot):
+            model(mx.array([ctx]), cache=cache)
+            cache.commit()
+        h = model.run_layers(model.embed(mx.array(block["tokens"])[None]), solo,
+                             block.get("positions"), block.get("mask"))
+        want.append((np.array(model.head(h)), [np.array(a[..., :solo.offset + solo.pending, :])
+                                                for a in solo.keys]))
+    kernel = emulated_kernel("metal", "tree_attention_varlen")
+    calls = []
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(kernels, "kernel_trusted", lambda *a: True)
+    monkeypatch.setattr(kernels, "_kernel", lambda kind, name: calls.append(name) or kernel)
+    got = packed_forward(model, [RequestBlock(cache=s, **b) for s, b in zip(slots, blocks)])
+    mx.eval(got.logits, pool.state())
+    assert calls == ["tree_attention_varlen"] * len(model.layers)
+    for i, ((logits, keys), slot) in enumerate(zip(want, slots)):
+        assert_close(np.array(got.logits[i]), logits, "float32")
+        end = slot.offset + slot.pending
+        for layer, k in enumerate(keys):
+            assert_close(np.array(pool.keys[layer][slot.slot:slot.slot + 1, :, :end]), k,
+                         "float32")

@@ -20,6 +20,7 @@ from treegraft_mlx.layered_cache import LayeredCache
 from treegraft_mlx.models.hybrid import HybridCache
 from treegraft_mlx.packed import PackError, RequestBlock, packed_forward
 from treegraft_mlx.pipeline import Stage
+from treegraft_mlx.slots import SlotCache
 from treegraft_mlx.tree import attention_mask, positions
 
 REFERENCES = Path(__file__).parent / "hf_reference"
@@ -51,18 +52,19 @@ def tokens(rng, n: int) -> list[int]:
 def requests(model, rng) -> list[tuple[list[int], dict]]:
     """(committed context, the block to forward) per request: a tree after 13 tokens, one AR
     row after 29 (past the windows), a prefill chunk of 6 into an empty cache, another tree
-    after 21."""
+    after 21, another AR row after 9."""
     return [(tokens(rng, 13), dict(tokens=tokens(rng, len(TREE)),
                                    positions=positions(TREE, 13), mask=attention_mask(TREE, 13))),
             (tokens(rng, 29), dict(tokens=tokens(rng, 1))),
             ([], dict(tokens=tokens(rng, 6))),
             (tokens(rng, 21), dict(tokens=tokens(rng, len(OTHER_TREE)),
                                    positions=positions(OTHER_TREE, 21),
-                                   mask=attention_mask(OTHER_TREE, 21)))]
+                                   mask=attention_mask(OTHER_TREE, 21))),
+            (tokens(rng, 9), dict(tokens=tokens(rng, 1)))]
 
 
-def prefilled(model, context: list[int]):
-    cache = model.make_cache(96)
+def prefilled(model, context: list[int], cache=None):
+    cache = model.make_cache(96) if cache is None else cache
     if context:
         model(mx.array([context]), cache=cache)
         cache.commit()
@@ -86,8 +88,10 @@ def cache_arrays(cache) -> list[np.ndarray]:
                      for a in [r.window, r.state] + ([r.inputs] if r.inputs is not None else [])
                      + r.states]
         return cache_arrays(cache.kv) + recurrent
-    assert isinstance(cache, KVCache)
     end = cache.offset + cache.pending
+    if isinstance(cache, SlotCache):
+        return [np.array(a[cache.slot:cache.slot + 1, :, :end]) for a in cache.pool.state()]
+    assert isinstance(cache, KVCache)
     return [np.array(a[..., :end, :]) for a in cache.keys + cache.values if a is not None]
 
 
@@ -105,13 +109,38 @@ def assert_caches_equal(packed, separate) -> None:
         assert error(x, y) < TOL
 
 
+def slots_of(model, n: int) -> list:
+    """n caches, slots of one pool taken out of order with a free slot among them (slot 1):
+    the batched AR rows' slots are then neither their row order nor contiguous."""
+    pool = model.slot_pool()
+    caches = [pool.take(96) for _ in range(n + 1)]
+    pool.give(caches.pop(1))
+    return caches[::-1]
+
+
 def test_packed_forward_equals_each_request_alone(model):
+    assert_packed_equals_alone(model, lambda contexts: [prefilled(model, c) for c in contexts])
+
+
+def test_packed_forward_over_a_slot_pool_equals_each_request_alone(model):
+    """The same requests, their caches slots of one pool (slots.py): one write a layer, the
+    AR rows in one call. A model whose cache is not one KVCache has no pool."""
+    if model.slot_pool() is None:
+        assert isinstance(model.make_cache(8), (LayeredCache, HybridCache))
+        return
+    assert_packed_equals_alone(model, lambda contexts: [
+        prefilled(model, c, cache) for c, cache in zip(contexts, slots_of(model, len(contexts)))])
+
+
+def assert_packed_equals_alone(model, caches) -> None:
+    """A packed forward of `requests` (caches from `caches(contexts)`), its blocks kept or
+    committed, then a step of one AR row each, equal each request's forwards alone."""
     rng = np.random.default_rng(0)
     reqs = requests(model, rng)
     reqs[0][1]["logits_rows"] = [0, 3, 5]           # chosen rows of one request
     reqs[3][1].update(tokens=mx.array(reqs[3][1]["tokens"]), logits_rows=mx.array([0, 4]))
     solo = [prefilled(model, ctx) for ctx, _ in reqs]
-    packed = [prefilled(model, ctx) for ctx, _ in reqs]
+    packed = caches([ctx for ctx, _ in reqs])
     want = [alone(model, block, cache) for (_, block), cache in zip(reqs, solo)]
     got = packed_forward(model, [RequestBlock(cache=c, **block)
                                  for (_, block), c in zip(reqs, packed)])
@@ -127,6 +156,7 @@ def test_packed_forward_equals_each_request_alone(model):
         c[1].commit()
         c[2].commit()
         c[3].keep([0])
+        c[4].commit()
     for cache, other in zip(packed, solo):
         assert_caches_equal(cache, other)
     # and the next packed step (one AR row each) still equals each alone

@@ -28,6 +28,8 @@ from .parts import Read, RequestBlock, run_alone
 from .pricing import Candidate, Company, plan_jointly
 from .readback import read_back
 from .sampling import SamplerSettings
+from .session import Session
+from .slots import SlotCache, SlotPool
 
 
 PACE_EMA = 0.1    # how fast a lane's tokens a step and the batch's step time follow change
@@ -82,10 +84,19 @@ class Lane:
 def lane(family: Family, prompt: Prompt, strategy: str = "treegraft", max_tokens: int = 256,
          seed: Optional[int] = None, stop: Sequence[str] = (),
          settings: Optional[SamplerSettings] = None, provenance: bool = False,
-         tree: Optional[TreeConfig] = None, tag: Any = None) -> Lane:
-    """A request for a batch, as stream_generate takes it (a fresh session of its own)."""
-    decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, tree, None,
-                                       None, None, settings, SamplerSettings(), together=True)
+         tree: Optional[TreeConfig] = None, tag: Any = None,
+         pool: Optional[SlotPool] = None) -> Lane:
+    """A request for a batch, as stream_generate takes it (a fresh session of its own, its
+    cache a slot of `pool` where given: the slot is given back if the request is refused)."""
+    session = Session(family, tree, pool)
+    try:
+        decoder, ids, max_tokens = prepare(family, prompt, strategy, max_tokens, seed, tree,
+                                           session, None, None, settings, SamplerSettings(),
+                                           together=True)
+    except Exception:
+        if pool is not None:
+            pool.give(session.cache)
+        raise
     inbox = Inbox()
     responses = stream(family.tokenizer, inbox, len(ids), max_tokens, stop, time.perf_counter(),
                        origin=origin_of(decoder, provenance))
@@ -100,6 +111,7 @@ class Batch:
 
     family: Family
     lanes: list[Lane] = field(default_factory=list)
+    pool: Optional[SlotPool] = field(default=None, init=False)   # the lanes' caches (slots.py)
     forwards: int = 0          # target forwards this batch ran
     rows: int = 0              # rows they ran, all lanes together
     lanes_run: int = 0         # lanes they ran, summed over forwards
@@ -110,8 +122,11 @@ class Batch:
         why = refusal(self.family.target)
         if why:
             raise ValueError(f"this target cannot decode requests together: {why}")
+        self.pool = self.family.target.slot_pool()
 
     def add(self, new: Lane) -> None:
+        """A lane joins (made by `lane` with this batch's `pool`, so that its rows attend
+        together with the others')."""
         self.lanes.append(new)
 
     def step(self) -> list[tuple[Lane, Any]]:
@@ -208,6 +223,9 @@ class Batch:
     def _drop(self) -> None:
         for one in [one for one in self.lanes if one.done]:
             one.close()
+            cache = one.decoder.session.cache
+            if isinstance(cache, SlotCache) and cache.pool is self.pool:
+                self.pool.give(cache)        # its slot is free for the next request
         self.lanes = [one for one in self.lanes if not one.done]
 
 
@@ -224,7 +242,7 @@ def decode_together(family: Family, requests: Sequence[dict],
     while waiting or batch.lanes:
         while waiting and starts[waiting[0]] <= step:
             i = waiting.pop(0)
-            batch.add(lane(family, **requests[i], tag=i))
+            batch.add(lane(family, **requests[i], tag=i, pool=batch.pool))
         for one, r in batch.step():
             if isinstance(r, Exception):
                 raise r

@@ -75,7 +75,8 @@ def together(family: Family, prompts: list[dict], strategy: str, max_tokens: int
     t0, batch = time.perf_counter(), Batch(family)
     got = [[[], None, None] for _ in prompts]
     for i, p in enumerate(prompts):
-        batch.add(lane(family, p["prompt"], strategy, max_tokens, seed, settings=settings, tag=i))
+        batch.add(lane(family, p["prompt"], strategy, max_tokens, seed, settings=settings,
+                       tag=i, pool=batch.pool))
     while batch.lanes:
         for one, r in batch.step():
             if isinstance(r, Exception):

@@ -68,12 +68,15 @@ def in_dtype(target: Path, dtype, dest: Path) -> Path:
 
 
 def commands(model: Optional[str], target: Path, port: int) -> dict:
-    """The command line of each engine's server on `port`."""
+    """The command line of each engine's server on `port`. `mlx_lm.server` keeps no prompt
+    cache (size 0): the bench sends every prompt at every concurrency, and ours reuses nothing
+    across requests, so a cache would time its prefills on the second pass only."""
     ours = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "serve",
             "--port", str(port), "--max-queue", "64"] + (["--model", model] if model else [])
     return {"serial_http": ours + ["--max-batch", "1"], "batch_http": ours,
             "mlx_lm_server": [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target),
-                              "--port", str(port), "--log-level", "WARNING"]}
+                              "--port", str(port), "--log-level", "WARNING",
+                                "--prompt-cache-size", "0"]}
 
 
 @contextmanager

@@ -197,8 +197,21 @@ def varlen_tree_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     return out[0]
 
 
+def pooled_kernel(dtype: mx.Dtype, head_dim: int, gqa: int) -> Optional[str]:
+    """The GPU kind ('metal' / 'cuda') whose varlen kernel attends a packed forward's
+    requests over a slot pool, or None (a CPU, a head dim it does not take, attention forced
+    to MLX's, or a kernel that failed its self-check): then attention runs per request."""
+    kind, forced = backend(), mode()
+    if kind == "cpu" or head_dim % 32 or forced == "mlx":
+        return None
+    trusted = forced == "fused" or kernel_trusted(kind, "varlen", dtype, head_dim, gqa)
+    return kind if trusted else None
+
+
 def run_path(path: str, q: mx.array, k: mx.array, v: mx.array, scale: float, mask: TreeMask,
              kind: str, chunk: Optional[int] = None) -> mx.array:
+    if path == "varlen":     # one request in slot 0 of a pool of one
+        return varlen_tree_attention(q, k, v, scale, VarlenBlocks.of([(0, mask)]), kind)
     if path == "split":
         return split_tree_attention(q, k, v, scale, mask, kind, chunk)
     return fused_tree_attention(q, k, v, scale, mask, kind)

@@ -263,7 +263,8 @@ class Generator:
                 return True
             self._progress(job, None)
             try:
-                batch.add(lane(self.family, job.prompt, **job.params, provenance=True, tag=job))
+                batch.add(lane(self.family, job.prompt, **job.params, provenance=True,
+                               tag=job, pool=batch.pool))
             except Exception as e:            # e.g. a prompt past the context: this job's
                 job.out.put(e)
                 self._finish(job, "error", None)

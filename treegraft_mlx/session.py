@@ -19,6 +19,7 @@ from .family import Family, TreeConfig
 from .history import History, as_logits
 from .readback import ints
 from .sampling import SamplerSettings, sample_token
+from .slots import SlotPool
 from .parts import Part, Ran, Read, RequestBlock, alone
 
 PREFILL_CHUNK = 512
@@ -31,13 +32,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class Session:
-    def __init__(self, family: Family, tree: Optional[TreeConfig] = None):
+    def __init__(self, family: Family, tree: Optional[TreeConfig] = None,
+                 pool: Optional[SlotPool] = None):
+        """`pool`: the target's cache is a slot of it (a request decoded together, slots.py)."""
         self.family = family
         self.tree = tree or family.tree
         args = family.target.args
         # Room past the context for one pending (padded) tree; its rows are never committed there.
-        block = max([self.tree.budget, *self.tree.verify_pad])
-        self.cache = family.target.make_cache(max_len=args.max_position_embeddings + block)
+        max_len = args.max_position_embeddings + max([self.tree.budget, *self.tree.verify_pad])
+        self.cache = (pool.take(max_len) if pool is not None
+                      else family.target.make_cache(max_len=max_len))
         self.history: Optional[History] = None
         t = self.tree
         self.ngram = NgramDrafter(t.n_max, t.top_k, t.depth)

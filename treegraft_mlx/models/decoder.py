@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from ..kernels import tree_attention, windowed
+from ..kernels import pooled_kernel, tree_attention, varlen_tree_attention, windowed
+from ..slots import SlotPool, pool_of
 from .forward import Forward
 from .moe import MoE, stack_experts
 from .rope import Positions, RoPE, RopeSpec, rope_spec
@@ -164,7 +165,18 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if isinstance(cache, Segments) and self.rope.window is None:
+        if isinstance(cache, Segments) and cache.pool is not None and self.rope.window is None:
+            # A packed forward over a slot pool: one write, the AR rows in one call.
+            q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
+            gpu = None if self.softcap else pooled_kernel(q.dtype, q.shape[-1],
+                                                           self.n_heads // self.n_kv_heads)
+            out = cache.pooled(
+                layer, q, k, v,
+                lambda s, q, k, v: self.attend_cached(q, k, v, s.mask, s.first_key),
+                None if self.softcap else self.attend_slots,
+                None if gpu is None else lambda q, k, v, blocks: varlen_tree_attention(
+                    q, k, v, self.scale, blocks, gpu))
+        elif isinstance(cache, Segments) and self.rope.window is None:
             # A packed forward: one RoPE for every request's rows at their own positions
             # (longrope picks its factors per request, below), attention per request.
             q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
@@ -189,9 +201,19 @@ class Attention(nn.Module):
         """attend_block after RoPE: the cache write, the window, the masked attention."""
         if cache is not None:
             k, v = cache.write(layer, k, v)
+        return self.attend_cached(q, k, v, mask, first_key)
+
+    def attend_cached(self, q: mx.array, k: mx.array, v: mx.array, mask,
+                      first_key: int) -> mx.array:
+        """attend_roped after the cache write: k, v are the context + block."""
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
         return tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+
+    def attend_slots(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array:
+        """Several requests' AR rows at once: q (slots, heads, 1, dim) against their slots
+        k, v (slots, KV heads, length, dim), each masked to its own length."""
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
 
 
 class MLP(nn.Module):
@@ -318,7 +340,11 @@ class Model(nn.Module):
             local.append(seg if win is None else
                          Segment(start, end, b.cache, pos, win.mask, win.first_key, seg.shared))
             start = end
-        return Segments(full), Segments(local)
+        pool = pool_of(blocks)
+        if pool is not None:
+            for b in blocks:         # room in the pool; each block pending in its slot
+                b.cache.pend(b.rows)
+        return Segments(full, pool), Segments(local, pool)
 
     def block_masks(self, h: mx.array, cache, positions: Optional[mx.array], mask):
         """A block's positions, its mask (causal by default for several rows) and, where a
@@ -352,6 +378,13 @@ class Model(nn.Module):
             dtype = self.model.norm.weight.dtype
         return KVCache(len(self.model.layers), a.num_key_value_heads, a.head_dim,
                        max_len or a.max_position_embeddings, dtype)
+
+    def slot_pool(self) -> Optional[SlotPool]:
+        """A pool whose slots are caches of this model, for requests decoded together
+        (slots.py); None for a model whose cache is not one `KVCache`."""
+        a = self.args
+        return SlotPool(len(self.model.layers), a.num_key_value_heads, a.head_dim,
+                        self.model.norm.weight.dtype)
 
     def checkpoint_names(self, weights: dict, halves: Optional[Callable] = None,
                          unfuse: bool = True) -> dict:

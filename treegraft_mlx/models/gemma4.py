@@ -456,6 +456,11 @@ class Gemma4Model(Model):
         cap = self.args.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
+    def slot_pool(self) -> None:
+        """None: its layers hold keys and values of several shapes (a LayeredCache), so
+        each request decoded together keeps its own cache."""
+        return None
+
     def make_cache(self, max_len: Optional[int] = None,
                    dtype: Optional[mx.Dtype] = None) -> LayeredCache:
         a = self.args

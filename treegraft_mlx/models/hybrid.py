@@ -350,6 +350,11 @@ class HybridModel(Model):
             h = layer(h, None, None, segments, i, None)
         return h
 
+    def slot_pool(self) -> None:
+        """None: its recurrent layers' states are not keys and values, so each request
+        decoded together keeps its own cache."""
+        return None
+
     def make_cache(self, max_len: Optional[int] = None,
                    dtype: Optional[mx.Dtype] = None) -> "HybridCache":
         a = self.args
