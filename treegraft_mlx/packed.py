@@ -3,10 +3,11 @@ the projections, the MLP or experts and the head each run once on all rows, whil
 (and a hybrid's recurrent state) runs per request against that request's own cache.
 
 Why: on a Mac the first rows of a forward are the cheapest there are, and several requests'
-trees, AR rows and prefill chunks share them (issue 54). This is the first cut, also the CPU
-path: one cache per request, q/k/v split by request in every layer (models/segments.py); no
-padding of one request's rows to another's size, and each request's block stays pending in its
-own cache exactly as a forward of it alone leaves it, for its own `commit` / `keep`.
+trees, AR rows and prefill chunks share them (issue 54). Each request attends its own cache
+(models/segments.py): its own KVCache, or its slot of the batch's pool (slots.py), where every
+row is written in one scatter and the AR rows attend in one call. No padding of one request's
+rows to another's size, and each request's block stays pending in its own cache exactly as a
+forward of it alone leaves it, for its own `commit` / `keep`.
 """
 
 from __future__ import annotations
