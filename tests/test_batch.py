@@ -68,6 +68,25 @@ def test_staggered_greedy_requests_equal_each_request_alone(family, n):
         assert joined(responses) == alone(family, request), request
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_staggered_requests_over_a_slot_pool_equal_each_request_alone(family, monkeypatch, n):
+    """The same, the lanes' caches slots of one pool (the GPU's default, slots.py): rows
+    written in one scatter, AR rows attending in one call; with three `ar` requests beside
+    the mixes, so that every step's AR rows share that call."""
+    from treegraft_mlx.slots import SlotPool
+    writes, real = [], SlotPool.write_rows
+    monkeypatch.setattr(SlotPool, "write_rows",
+                        lambda self, *a: writes.append(len(self.taken)) or real(self, *a))
+    requests, starts = MIXES[n] if n == 4 else ([dict(strategy="ar", max_tokens=m)
+                                                 for m in (30, 12, 25)], [0, 0, 4])
+    texts = prompts(n - 1) + [REPETITIVE]
+    requests = [dict(r, prompt=p) for r, p in zip(requests, texts)]
+    got = decode_together(family, requests, starts, pooled=True)
+    assert writes and max(writes) >= 3       # three lanes, at least, in one pooled forward
+    for request, responses in zip(requests, got):
+        assert joined(responses) == alone(family, request), request
+
+
 def test_a_batch_runs_one_forward_for_all_its_requests(family, monkeypatch):
     """While several requests run, each step runs one forward with every lane's rows; a lane
     left alone decodes as alone (its own forwards, pipelined)."""

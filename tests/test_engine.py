@@ -50,8 +50,10 @@ def mlx_lm_target():
 
 
 def test_greedy_output_identical_for_every_strategy(family, mlx_lm_target):
-    prompts = suite_prompts()
-    assert len(prompts) == 20
+    """`ar` equals mlx_lm, and every strategy equals `ar`, token for token, on three prompts
+    of each category (12 x 6 generations of 128 tokens: the suite's longest test)."""
+    prompts = suite_prompts(3)
+    assert len(prompts) == 12
     ref_model, ref_tok = mlx_lm_target
     trees: dict[str, list[bool]] = {s: [] for s in STRATEGIES}
     accepted = {s: 0 for s in STRATEGIES}

@@ -23,6 +23,7 @@ from .decoder import Decoder
 from .engine import origin_of, prepare
 from .family import Family, TreeConfig
 from .generate import Prompt, Response, stream
+from .kernels import backend
 from .packed import refusal, run_together
 from .parts import Read, RequestBlock, run_alone
 from .pricing import Candidate, Company, plan_jointly
@@ -111,6 +112,7 @@ class Batch:
 
     family: Family
     lanes: list[Lane] = field(default_factory=list)
+    pooled: Optional[bool] = None     # lanes' caches slots of one pool (None: on a GPU)
     pool: Optional[SlotPool] = field(default=None, init=False)   # the lanes' caches (slots.py)
     forwards: int = 0          # target forwards this batch ran
     rows: int = 0              # rows they ran, all lanes together
@@ -122,7 +124,10 @@ class Batch:
         why = refusal(self.family.target)
         if why:
             raise ValueError(f"this target cannot decode requests together: {why}")
-        self.pool = self.family.target.slot_pool()
+        # On a GPU the pool saves a dispatch per request and layer (one write, one attention
+        # call); on this CPU it measured slower than a cache per request (RESULTS.md).
+        pooled = backend() != "cpu" if self.pooled is None else self.pooled
+        self.pool = self.family.target.slot_pool() if pooled else None
 
     def add(self, new: Lane) -> None:
         """A lane joins (made by `lane` with this batch's `pool`, so that its rows attend
@@ -230,13 +235,16 @@ class Batch:
 
 
 def decode_together(family: Family, requests: Sequence[dict],
-                    starts: Optional[Sequence[int]] = None) -> list[list[Response]]:
-    """Each request (`lane`'s keyword arguments) decoded in one batch, request i joining at
-    step starts[i] (default: all at once); returns each request's responses."""
+                    starts: Optional[Sequence[int]] = None,
+                    pooled: Optional[bool] = None) -> list[list[Response]]:
+    """Each request (`lane`'s keyword arguments) decoded in one batch (`pooled` as Batch
+    takes it), request i joining at step starts[i] (default: all at once); returns each
+    request's responses."""
     starts = list(starts) if starts is not None else [0] * len(requests)
     if len(starts) != len(requests):
         raise ValueError("give one start step per request")
-    batch, waiting = Batch(family), sorted(range(len(requests)), key=lambda i: starts[i])
+    batch = Batch(family, pooled=pooled)
+    waiting = sorted(range(len(requests)), key=lambda i: starts[i])
     out: list[list[Response]] = [[] for _ in requests]
     step = 0
     while waiting or batch.lanes:

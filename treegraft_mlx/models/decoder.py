@@ -344,7 +344,8 @@ class Model(nn.Module):
         if pool is not None:
             for b in blocks:         # room in the pool; each block pending in its slot
                 b.cache.pend(b.rows)
-        return Segments(full, pool), Segments(local, pool)
+        one = Segments(full, pool)
+        return one, (one if all(a is b for a, b in zip(full, local)) else Segments(local, pool))
 
     def block_masks(self, h: mx.array, cache, positions: Optional[mx.array], mask):
         """A block's positions, its mask (causal by default for several rows) and, where a
