@@ -13,7 +13,43 @@ import mlx.core as mx
 import numpy as np
 
 
-class KVCache:
+class Committed:
+    """A cache's committed length (`offset`) and pending block, and the rules that move them
+    (a KVCache's, and a slot's of a pool, slots.py)."""
+
+    offset: int = 0
+    pending: int = 0
+
+    def commit(self, n: int | None = None) -> None:
+        """Commit the first n rows of the pending block (all of it by default)."""
+        n = self.pending if n is None else n
+        if not 0 <= n <= self.pending:
+            raise ValueError(f"cannot commit {n} of {self.pending} pending rows")
+        self.offset += n
+        self.pending = 0
+
+    def kept(self, rows: Sequence[int]) -> np.ndarray:
+        """`rows` as `keep` takes them: ascending rows of the pending block (else it raises)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.pending
+                          or np.any(np.diff(rows) <= 0)):
+            raise ValueError(f"rows {rows.tolist()} are not ascending rows of a "
+                             f"{self.pending}-row block")
+        return rows
+
+    def rewindable(self, length: int) -> int:
+        """The longest committed length at most `length` that `reset` can return to: any
+        (a hybrid model's recurrent state cannot say the same, models/hybrid.py)."""
+        return length
+
+    def reset(self, length: int = 0) -> None:
+        """Truncate the committed context to `length` tokens."""
+        if not 0 <= length <= self.offset:
+            raise ValueError(f"cannot reset a cache of {self.offset} tokens to {length}")
+        self.offset, self.pending = length, 0
+
+
+class KVCache(Committed):
     """Keys and values of all layers of one model.
 
     `offset` is the committed length. A forward writes its block at [offset, offset + L) and
@@ -63,20 +99,10 @@ class KVCache:
         `commit` and `keep` still count the committed length."""
         self.pending = rows
 
-    def commit(self, n: int | None = None) -> None:
-        """Commit the first n rows of the pending block (all of it by default)."""
-        n = self.pending if n is None else n
-        if not 0 <= n <= self.pending:
-            raise ValueError(f"cannot commit {n} of {self.pending} pending rows")
-        self.offset += n
-        self.pending = 0
-
     def keep(self, rows: Sequence[int]) -> None:
         """Commit the given rows of the pending block (ascending), packed contiguously."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self.kept(rows)
         n = len(rows)
-        if n and (rows.min() < 0 or rows.max() >= self.pending or np.any(np.diff(rows) <= 0)):
-            raise ValueError(f"rows {rows.tolist()} are not ascending rows of a {self.pending}-row block")
         if n and not np.array_equal(rows, np.arange(n)):
             src = mx.array(rows + self.offset)
             for i in range(self.num_layers):
@@ -84,17 +110,6 @@ class KVCache:
                 self.values[i][..., self.offset:self.offset + n, :] = self.values[i][..., src, :]
         self.offset += n
         self.pending = 0
-
-    def rewindable(self, length: int) -> int:
-        """The longest committed length at most `length` that `reset` can return to: any
-        (a hybrid model's recurrent state cannot say the same, models/hybrid.py)."""
-        return length
-
-    def reset(self, length: int = 0) -> None:
-        """Truncate the committed context to `length` tokens."""
-        if not 0 <= length <= self.offset:
-            raise ValueError(f"cannot reset a cache of {self.offset} tokens to {length}")
-        self.offset, self.pending = length, 0
 
     def state(self) -> list[mx.array]:
         """Arrays to evaluate so that pending writes and moves are materialised."""

@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .cache import Committed
+
 
 class SlotPool:
     """Keys and values of `slots` requests for a model of `num_layers` layers."""
@@ -89,7 +91,7 @@ class SlotPool:
         return [a for a in self.keys + self.values if a is not None]
 
 
-class SlotCache:
+class SlotCache(Committed):
     """One request's slot of a pool, with a `KVCache`'s interface (cache.py): `offset` is
     the committed length, a forward's block stays pending for `commit` / `keep`."""
 
@@ -123,21 +125,10 @@ class SlotCache:
         return (self.pool.keys[layer][s:s + 1, :, :end, :],
                 self.pool.values[layer][s:s + 1, :, :end, :])
 
-    def commit(self, n: Optional[int] = None) -> None:
-        """Commit the first n rows of the pending block (all of it by default)."""
-        n = self.pending if n is None else n
-        if not 0 <= n <= self.pending:
-            raise ValueError(f"cannot commit {n} of {self.pending} pending rows")
-        self.offset += n
-        self.pending = 0
-
     def keep(self, rows: Sequence[int]) -> None:
         """Commit the given rows of the pending block (ascending), packed contiguously."""
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self.kept(rows)
         n = len(rows)
-        if n and (rows.min() < 0 or rows.max() >= self.pending or np.any(np.diff(rows) <= 0)):
-            raise ValueError(f"rows {rows.tolist()} are not ascending rows of a "
-                             f"{self.pending}-row block")
         if n and not np.array_equal(rows, np.arange(n)):
             src, s, o = mx.array(rows + self.offset), self.slot, self.offset
             for buffers in (self.pool.keys, self.pool.values):
@@ -145,15 +136,6 @@ class SlotCache:
                     buffers[i][s, :, o:o + n, :] = buffers[i][s][:, src, :]
         self.offset += n
         self.pending = 0
-
-    def rewindable(self, length: int) -> int:
-        return length
-
-    def reset(self, length: int = 0) -> None:
-        """Truncate the committed context to `length` tokens."""
-        if not 0 <= length <= self.offset:
-            raise ValueError(f"cannot reset a cache of {self.offset} tokens to {length}")
-        self.offset, self.pending = length, 0
 
     def state(self) -> list[mx.array]:
         return self.pool.state()
