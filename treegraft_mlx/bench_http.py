@@ -76,7 +76,7 @@ def commands(model: Optional[str], target: Path, port: int) -> dict:
     return {"serial_http": ours + ["--max-batch", "1"], "batch_http": ours,
             "mlx_lm_server": [sys.executable, "-c", MLX_LM_SERVER, "--model", str(target),
                               "--port", str(port), "--log-level", "WARNING",
-                                "--prompt-cache-size", "0"]}
+                              "--prompt-cache-size", "0"]}
 
 
 @contextmanager

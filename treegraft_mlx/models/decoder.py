@@ -168,14 +168,15 @@ class Attention(nn.Module):
         if isinstance(cache, Segments) and cache.pool is not None and self.rope.window is None:
             # A packed forward over a slot pool: one write, the AR rows in one call.
             q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
+            # Soft-capped scores (Gemma 2) have neither batched call: per request.
             gpu = None if self.softcap else pooled_kernel(q.dtype, q.shape[-1],
                                                            self.n_heads // self.n_kv_heads)
             out = cache.pooled(
                 layer, q, k, v,
                 lambda s, q, k, v: self.attend_cached(q, k, v, s.mask, s.first_key),
                 None if self.softcap else self.attend_slots,
-                None if gpu is None else lambda q, k, v, blocks: varlen_tree_attention(
-                    q, k, v, self.scale, blocks, gpu))
+                gpu and (lambda q, k, v, blocks: varlen_tree_attention(
+                    q, k, v, self.scale, blocks, gpu)))
         elif isinstance(cache, Segments) and self.rope.window is None:
             # A packed forward: one RoPE for every request's rows at their own positions
             # (longrope picks its factors per request, below), attention per request.

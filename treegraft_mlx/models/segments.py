@@ -132,11 +132,9 @@ class Segments:
         qs = rows.transpose(2, 1, 0, 3)                       # (AR rows, heads, 1, dim)
         if not ar.identity:
             qs = mx.take(qs, ar.row_of_slot, axis=0)          # (slots, heads, 1, dim)
-        keys = self.pool.keys[layer][:, :, :ar.length]
-        values = self.pool.values[layer][:, :, :ar.length]
-        if keys.shape[0] != qs.shape[0]:
-            keys, values = keys[:qs.shape[0]], values[:qs.shape[0]]
-        out = batched(qs, keys, values, ar.mask)
+        n = qs.shape[0]                                       # slots up to the last AR one
+        out = batched(qs, self.pool.keys[layer][:n, :, :ar.length],
+                      self.pool.values[layer][:n, :, :ar.length], ar.mask)
         if not ar.identity:
             out = mx.take(out, ar.slot_mx, axis=0)
         return out.transpose(2, 1, 0, 3)                      # (1, heads, AR rows, dim)
@@ -160,6 +158,8 @@ class ArRows:
 
 @dataclass(frozen=True)
 class PoolPlan:
+    """A pooled forward's layout, the same in every layer."""
+
     places: mx.array          # where each row goes in the pool (SlotPool.places)
     ar: Optional[ArRows]      # None: fewer than two AR rows
 
