@@ -220,7 +220,8 @@ def test_serve_across_ranks_answers_as_one_process_does(tmp_path):
     finally:
         for proc in ranks:
             proc.kill()
-    assert head.returncode == 0 and peer.returncode == 0, peer.stderr.read()[-2000:]
+    assert head.returncode == 0 and peer.returncode == 0, (
+        head.stderr.read()[-2000:] + peer.stderr.read()[-2000:])
     family = load(fixture_path(), warmup=False, autotune=False)
     assert answer["choices"][0]["text"] == generate(family, "def f():", "ar", max_tokens=8).text
 
