@@ -37,6 +37,11 @@ class Committed:
                              f"{self.pending}-row block")
         return rows
 
+    def fits(self, needed: int, max_len: int) -> None:
+        """Raises unless a context of `needed` tokens fits the limit `max_len`."""
+        if needed > max_len:
+            raise ValueError(f"context of {needed} tokens exceeds the limit of {max_len}")
+
     def rewindable(self, length: int) -> int:
         """The longest committed length at most `length` that `reset` can return to: any
         (a hybrid model's recurrent state cannot say the same, models/hybrid.py)."""
@@ -68,8 +73,7 @@ class KVCache(Committed):
 
     def _grow(self, needed: int) -> None:
         """Grow every layer's buffers in whole chunks, up to the context limit."""
-        if needed > self.max_len:
-            raise ValueError(f"context of {needed} tokens exceeds the limit of {self.max_len}")
+        self.fits(needed, self.max_len)
         new_cap = min(self.max_len, -(-needed // self.chunk) * self.chunk)
         shape = (1, self.n_kv_heads, new_cap - self.capacity, self.head_dim)
         for i in range(self.num_layers):

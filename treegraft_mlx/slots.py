@@ -103,9 +103,7 @@ class SlotCache(Committed):
 
     def pend(self, rows: int) -> None:
         """A block of `rows` is pending (a packed forward writes it with `write_rows`)."""
-        if self.offset + rows > self.max_len:
-            raise ValueError(f"context of {self.offset + rows} tokens exceeds the limit of "
-                             f"{self.max_len}")
+        self.fits(self.offset + rows, self.max_len)
         self.pool.reserve(self.slot, self.offset + rows)
         self.pending = rows
 

@@ -165,24 +165,14 @@ class Attention(nn.Module):
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if isinstance(cache, Segments) and cache.pool is not None and self.rope.window is None:
-            # A packed forward over a slot pool: one write, the AR rows in one call.
-            q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
-            # Soft-capped scores (Gemma 2) have neither batched call: per request.
-            gpu = None if self.softcap else pooled_kernel(q.dtype, q.shape[-1],
-                                                           self.n_heads // self.n_kv_heads)
-            out = cache.pooled(
-                layer, q, k, v,
-                lambda s, q, k, v: self.attend_cached(q, k, v, s.mask, s.first_key),
-                None if self.softcap else self.attend_slots,
-                gpu and (lambda q, k, v, blocks: varlen_tree_attention(
-                    q, k, v, self.scale, blocks, gpu)))
-        elif isinstance(cache, Segments) and self.rope.window is None:
+        if isinstance(cache, Segments) and self.rope.window is None:
             # A packed forward: one RoPE for every request's rows at their own positions
-            # (longrope picks its factors per request, below), attention per request.
+            # (longrope picks its factors per request, below), then attention per request,
+            # or over a slot pool: one write, the AR rows (all rows, on a GPU) in one call.
             q, k = self.rope(q, cache.positions), self.rope(k, cache.positions)
-            out = cache.each(lambda s, q, k, v: self.attend_roped(
-                q, k, v, s.mask, s.cache, layer, s.first_key), q, k, v)
+            out = (self.attend_pooled(q, k, v, cache, layer) if cache.pool is not None else
+                   cache.each(lambda s, q, k, v: self.attend_roped(
+                       q, k, v, s.mask, s.cache, layer, s.first_key), q, k, v))
         elif isinstance(cache, Segments):
             out = cache.each(lambda s, q, k, v: self.attend_block(
                 q, k, v, s.positions, s.mask, s.cache, layer, s.first_key), q, k, v)
@@ -210,6 +200,19 @@ class Attention(nn.Module):
         if first_key:  # a sliding-window layer: keys before the window are never read
             k, v = k[:, :, first_key:], v[:, :, first_key:]
         return tree_attention(q, k, v, scale=self.scale, mask=mask, softcap=self.softcap)
+
+    def attend_pooled(self, q: mx.array, k: mx.array, v: mx.array, cache: Segments,
+                      layer: int) -> mx.array:
+        """Every request's roped rows over the pool (Segments.pooled); soft-capped scores
+        (Gemma 2) have neither batched call, so they attend per request."""
+        gpu = None if self.softcap else pooled_kernel(q.dtype, q.shape[-1],
+                                                       self.n_heads // self.n_kv_heads)
+        return cache.pooled(
+            layer, q, k, v,
+            lambda s, q, k, v: self.attend_cached(q, k, v, s.mask, s.first_key),
+            None if self.softcap else self.attend_slots,
+            gpu and (lambda q, k, v, blocks: varlen_tree_attention(
+                q, k, v, self.scale, blocks, gpu)))
 
     def attend_slots(self, q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array:
         """Several requests' AR rows at once: q (slots, heads, 1, dim) against their slots

@@ -17,7 +17,6 @@ all of them attend in one call of the varlen kernel (kernels.varlen_tree_attenti
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Optional
@@ -170,9 +169,9 @@ def pool_plan(parts: list[Segment], pool: Any) -> PoolPlan:
     slots = np.concatenate([np.full(s.rows, s.cache.slot) for s in parts])
     places = np.concatenate([s.cache.offset + np.arange(s.rows) for s in parts])
     ar = [s for s in parts if s.ar]
-    plan = PoolPlan(pool.places(slots, places), None)
+    places = pool.places(slots, places)
     if len(ar) < 2:
-        return plan
+        return PoolPlan(places, None)
     rows = np.array([s.start for s in ar])
     ar_slots = np.array([s.cache.slot for s in ar])
     entries = int(ar_slots.max()) + 1
@@ -185,7 +184,7 @@ def pool_plan(parts: list[Segment], pool: Any) -> PoolPlan:
                             [np.zeros(0, np.int64)])
     order = np.argsort(np.concatenate([rows, others]), kind="stable")
     identity = entries == len(ar) and np.array_equal(ar_slots, np.arange(len(ar)))
-    return dataclasses.replace(plan, ar=ArRows(
+    return PoolPlan(places, ArRows(
         rows, mx.array(rows, mx.int32), mx.array(ar_slots, mx.int32),
         mx.array(row_of_slot, mx.int32), bool(identity), length,
         mx.array(mask[:, None, None, :]), mx.array(order, mx.int32)))
