@@ -191,37 +191,48 @@ def test_chat_across_ranks_replies_as_one_process_does(tmp_path):
 
 def test_serve_across_ranks_answers_as_one_process_does(tmp_path):
     """`treegraft serve --pipeline` on two ranks started by hand: rank 0 answers HTTP with
-    what one process generates; on Ctrl-C it stops, and rank 1 with it."""
+    what one process generates; on Ctrl-C it stops, and rank 1 with it. Each rank's stderr
+    goes to a file (a pipe nobody reads could fill and block it); a rank that does not stop
+    is sent SIGABRT, so Python's fault handler writes every thread's stack there."""
     import signal
+    import time
     import urllib.request
 
     ring, http = free_ports(2), free_ports(1)[0]
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
-    cmd = [sys.executable, "-c", "from treegraft_mlx.cli import main; main()", "serve",
-           "--pipeline", "--no-autotune", "--port", str(http), "--strategy", "ngram"]
+    cmd = [sys.executable, "-X", "faulthandler", "-c", "from treegraft_mlx.cli import main; main()",
+           "serve", "--pipeline", "--no-autotune", "--port", str(http), "--strategy", "ngram"]
     env = {**os.environ, "MLX_HOSTFILE": str(hosts), "OPENBLAS_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, "MLX_RANK": str(r)})
-             for r in (1, 0)]
+    logs = [tmp_path / f"rank{r}.log" for r in (1, 0)]
+    ranks = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=log.open("w"), env={**env, "MLX_RANK": str(r)})
+             for r, log in zip((1, 0), logs)]
     peer, head = ranks
+    said = lambda: "\n".join(f"rank {r}: {log.read_text()[-3000:]}"
+                              for r, log in zip((1, 0), logs))
     try:
-        for line in head.stderr:                   # ready once it says where it serves
-            if line.startswith("serving"):
-                break
+        deadline = time.monotonic() + 300
+        while "serving" not in logs[1].read_text():    # ready once it says where it serves
+            assert head.poll() is None and time.monotonic() < deadline, said()
+            time.sleep(0.2)
         body = json.dumps({"prompt": "def f():", "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             answer = json.loads(resp.read())
         head.send_signal(signal.SIGINT)
-        head.wait(timeout=120)
-        peer.wait(timeout=120)
+        for proc in (head, peer):
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)     # the fault handler dumps its stacks
+                proc.wait(timeout=30)
     finally:
         for proc in ranks:
             proc.kill()
-    assert head.returncode == 0 and peer.returncode == 0, (
-        head.stderr.read()[-2000:] + peer.stderr.read()[-2000:])
+            proc.wait()
+    assert head.returncode == 0 and peer.returncode == 0, said()
     family = load(fixture_path(), warmup=False, autotune=False)
     assert answer["choices"][0]["text"] == generate(family, "def f():", "ar", max_tokens=8).text
 

@@ -37,8 +37,16 @@ def family_options(f):
     `source: ModelSource`) and --strategy, shared by the commands that generate."""
     @functools.wraps(f)
     def command(model, revision, draft_models, q_bits, autotune, pipeline, **kwargs):
-        return f(source=ModelSource(model, revision, draft_models,
-                                    int(q_bits) if q_bits else None, autotune, pipeline), **kwargs)
+        source = ModelSource(model, revision, draft_models, int(q_bits) if q_bits else None,
+                             autotune, pipeline)
+        if not pipeline:
+            return f(source=source, **kwargs)
+        try:
+            f(source=source, **kwargs)
+        except click.ClickException as e:
+            e.show()
+            leave_the_ring(e.exit_code)
+        leave_the_ring(0)
 
     command = click.option("--strategy", default="treegraft", show_default=True,
                            help="ar, chain[:k], ngram, draft, treegraft or "
@@ -55,6 +63,21 @@ def family_options(f):
     command = click.option("--revision", default=None,
                            help="Hub revision (branch, tag or commit) of --model.")(command)
     return model_options(command)
+
+
+def leave_the_ring(code: int) -> None:
+    """End a --pipeline rank's process once its command is done: the exit handlers run (rank
+    0's tells the other ranks to stop), the streams are flushed, and the process ends without
+    the interpreter's and the C++ runtime's teardown, where MLX's ring backend can abort
+    ("terminate called without an active exception": a clean Ctrl-C of `serve --pipeline`
+    died so about once in ten)."""
+    import atexit
+    import os
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def model_options(f):
