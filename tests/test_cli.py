@@ -168,9 +168,24 @@ def test_bench_concurrency_small_run(tmp_path):
     prompts = len(report["served"]) // len(rows)
     assert all(x["requests"] == prompts for x in rows.values())
     assert report["meta"]["mlx_lm_batch_differs"] is not None
+    for key in rows:
+        closed_loop(key[2], [x for x in report["served"]
+                             if (x["engine"], x["strategy"], x["concurrency"]) == key])
     assert "x1.00 vs serial" in r.output
     r = run("bench", "--prompts", str(SUITE), "--concurrency", "2,x", "--json", str(out))
     assert r.exit_code == 2 and "--concurrency" in r.output
+
+
+def closed_loop(clients: int, served: list[dict]) -> None:
+    """The bench's load: `clients` requests sent at the start, each later one sent when an
+    earlier one was answered, and never more than `clients` in flight."""
+    by_sent = sorted(served, key=lambda x: x["sent"])
+    assert len(by_sent) > clients
+    assert all(x["sent"] <= x["first"] <= x["last"] for x in served)
+    assert all(x["sent"] < min(y["first"] for y in served) for x in by_sent[:clients])
+    assert all(x["sent"] >= min(y["last"] for y in served) for x in by_sent[clients:])
+    for x in served:
+        assert sum(y["sent"] <= x["sent"] < y["last"] for y in served) <= clients
 
 
 def test_bench_concurrency_over_http(tmp_path):
@@ -188,7 +203,10 @@ def test_bench_concurrency_over_http(tmp_path):
                          for n in (1, 2)} | {("mlx_lm_server", "ar", n) for n in (1, 2)}
     served = report["served"]
     assert served and all(0 < x["count"] <= 6 and x["text"] for x in served)
-    assert all(x["first"] <= x["last"] for x in served) and report["meta"]["over_http"]
+    assert report["meta"]["over_http"]
+    for key in rows:
+        closed_loop(key[2], [x for x in served
+                             if (x["engine"], x["strategy"], x["concurrency"]) == key])
     assert report["meta"]["mlx_lm_server_differs"] == 0      # our compute dtype, same tokens
     ours = {}
     for x in served:

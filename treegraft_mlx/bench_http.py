@@ -4,11 +4,12 @@ plain decoding), each its own process on loopback, on the same weights.
 
 The in-process bench (bench_concurrency.py) times the engines; this one times what a client
 sees: the HTTP handling, the JSON and the server-sent events of every token are in it, and so
-is the server's scheduling (admission, the queue). Each wave of N streaming completions is
-sent at once and the next wave starts when it is done; waves alternate between the servers,
-the order flipping wave to wave, so drift spreads evenly. All three servers are started first
-and wait idle while another is timed. A request's tokens are its server's usage count; its
-text is what greedy runs are checked on (against the one-at-a-time server's `ar`).
+is the server's scheduling (admission, the queue). N client threads each send their next
+streaming completion when their last is answered (bench_concurrency's closed loop); the
+servers take turns, the order flipping from one (repeat, concurrency) to the next, so drift
+spreads evenly. All three servers are started first and wait idle while another is timed. A
+request's tokens are its server's usage count; its text is what greedy runs are checked on
+(against the one-at-a-time server's `ar`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -141,12 +143,29 @@ def completion(port: int, body: dict, t0: float) -> tuple[str, int, float, float
     return "".join(text), count, first if first is not None else last, last
 
 
-def wave(port: int, prompts: list[dict], body: dict) -> list[tuple[str, int, float, float]]:
-    """Every prompt of a wave sent at once, each on its own thread."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: completion(port, {**body, "prompt": p["prompt"]}, t0),
-                             prompts))
+def clients(port: int, prompts: list[dict], n: int, body: dict
+            ) -> list[tuple[str, int, float, float, float]]:
+    """The prompts sent by `n` client threads, each sending the next unsent prompt when its
+    last is answered: per prompt, its text, token count, and when it was sent, its first text
+    and its last event (seconds from the start)."""
+    t0, lock, todo = time.perf_counter(), threading.Lock(), iter(range(len(prompts)))
+    out: list = [None] * len(prompts)
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            sent = time.perf_counter() - t0
+            text, count, first, last = completion(
+                port, {**body, "prompt": prompts[i]["prompt"]}, t0)
+            out[i] = (text, count, sent, first, last)
+
+    with ThreadPoolExecutor(n) as pool:
+        for f in [pool.submit(client) for _ in range(n)]:
+            f.result()          # a failed request fails the bench
+    return out
 
 
 def body_for(engine: str, strategy: str, max_tokens: int, settings: SamplerSettings,
@@ -168,9 +187,9 @@ def run_http(model: Optional[str], target: Path, dtype, prompts: list[dict],
              strategies: list[str], levels: list[int], max_tokens: int, repeat: int = 1,
              settings: SamplerSettings = SamplerSettings(), seed: int = 0,
              progress=None) -> list[Served]:
-    """Every (repeat, concurrency, engine, strategy) over all prompts in waves, as
+    """Every (repeat, concurrency, engine, strategy) over all prompts, as
     bench_concurrency.run_concurrency, over HTTP; `mlx_lm.server` runs the target's weights
-    in our compute `dtype`. A first wave warms every server up."""
+    in our compute `dtype`. A first short run warms every server up."""
     jobs = [(e, s) for e in HTTP_ENGINES for s in (strategies if e != "mlx_lm_server" else ["ar"])]
     with ExitStack() as stack:
         copy = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="treegraft-http-")))
@@ -179,17 +198,16 @@ def run_http(model: Optional[str], target: Path, dtype, prompts: list[dict],
             port = free_port()
             ports[e] = stack.enter_context(server(commands(model, weights, port)[e], port))
         for e, s in jobs:
-            wave(ports[e], prompts[:2], body_for(e, s, 8, settings, seed))
+            clients(ports[e], prompts[:2], 2, body_for(e, s, 8, settings, seed))
         out: list[Served] = []
         for r in range(repeat):
-            for n in levels:
-                for w in range(0, len(prompts), n):
-                    part, flip = prompts[w:w + n], (r + w // n) % 2
-                    for e, s in (jobs[::-1] if flip else jobs):
-                        body = body_for(e, s, max_tokens, settings, seed)
-                        for p, (text, count, first, last) in zip(part, wave(ports[e], part, body)):
-                            out.append(Served(e, s, n, r, w // n, p["id"], [], first, last,
-                                              text, count))
+            for k, n in enumerate(levels):
+                for e, s in (jobs[::-1] if (r + k) % 2 else jobs):
+                    body = body_for(e, s, max_tokens, settings, seed)
+                    for p, (text, count, sent, first, last) in zip(
+                            prompts, clients(ports[e], prompts, n, body)):
+                        out.append(Served(e, s, n, r, p["id"], [], sent, first, last, text,
+                                          count))
                 if progress:
                     progress(len(jobs))
     return out
