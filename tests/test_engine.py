@@ -50,10 +50,10 @@ def mlx_lm_target():
 
 
 def test_greedy_output_identical_for_every_strategy(family, mlx_lm_target):
-    """`ar` equals mlx_lm, and every strategy equals `ar`, token for token, on three prompts
-    of each category (12 x 6 generations of 128 tokens: the suite's longest test)."""
-    prompts = suite_prompts(3)
-    assert len(prompts) == 12
+    """`ar` equals mlx_lm, and every strategy equals `ar`, token for token, on two prompts of
+    each category (8 x 7 generations of 128 tokens: the suite's longest test)."""
+    prompts = suite_prompts(2)
+    assert len(prompts) == 8
     ref_model, ref_tok = mlx_lm_target
     trees: dict[str, list[bool]] = {s: [] for s in STRATEGIES}
     accepted = {s: 0 for s in STRATEGIES}
