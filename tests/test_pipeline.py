@@ -201,7 +201,11 @@ def test_serve_across_ranks_answers_as_one_process_does(tmp_path):
     ring, http = free_ports(2), free_ports(1)[0]
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring]))
-    cmd = [sys.executable, "-X", "faulthandler", "-c", "from treegraft_mlx.cli import main; main()",
+    # Ctrl-C raises KeyboardInterrupt in each rank even where this process ignores SIGINT (a
+    # test run started in the background of a script does, and its children inherit that).
+    main = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from treegraft_mlx.cli import main; main()")
+    cmd = [sys.executable, "-X", "faulthandler", "-c", main,
            "serve", "--pipeline", "--no-autotune", "--port", str(http), "--strategy", "ngram"]
     env = {**os.environ, "MLX_HOSTFILE": str(hosts), "OPENBLAS_NUM_THREADS": "1"}
     logs = [tmp_path / f"rank{r}.log" for r in (1, 0)]
