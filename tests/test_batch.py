@@ -116,6 +116,26 @@ def test_a_batch_runs_one_forward_for_all_its_requests(family, monkeypatch):
     assert batch.rows >= batch.lanes_run and 0 <= batch.lanes_run - sum(packed) <= 1
 
 
+@pytest.mark.parametrize("strategy", ["ar", "treegraft"])
+def test_a_request_alone_streams_each_token_in_the_step_that_read_it(family, strategy):
+    """A step returns every token its lanes have read: a lane goes on to its next want at the
+    start of the next step, so a request alone in a batch (which runs and reads its own
+    forwards) never holds a token back a forward, its first token included."""
+    from treegraft_mlx.generate import encode_prompt
+
+    prompt = prompts(1)[0]
+    batch, read = Batch(family), len(encode_prompt(family.tokenizer, prompt))
+    batch.add(lane(family, prompt, strategy, max_tokens=40))
+    one, streamed, steps = batch.lanes[0], [], 0
+    while batch.lanes:
+        for _, r in batch.step():
+            streamed += r.tokens
+        steps += 1
+        if batch.lanes:     # (its last block may stop inside what it read: max_tokens)
+            assert len(one.decoder.session.history.tokens) == read + len(streamed), steps
+    assert len(streamed) == 40 and steps <= 41
+
+
 def test_a_cancelled_request_leaves_and_the_others_finish_as_alone(family):
     requests = [dict(prompt=p, strategy="treegraft", max_tokens=40) for p in prompts(2)]
     batch = Batch(family)

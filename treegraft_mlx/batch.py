@@ -64,6 +64,7 @@ class Lane:
     cancelled: bool = False
     tag: Any = None                      # the caller's (the server's job)
     pace: float = 1.0                    # tokens it commits a step (a moving average)
+    streamed: bool = False               # its block streamed this step: it goes on next step
 
     @property
     def done(self) -> bool:
@@ -140,17 +141,24 @@ class Batch:
         and drops the lanes that are done. A failure of the shared forward is raised.
 
         A lane alone in the batch decodes as a request alone does (pipelined: its generator
-        runs its own forwards and yields committed blocks); with company, together."""
+        runs its own forwards and yields committed blocks); with company, together. A lane
+        whose block streamed goes on to its next want at the start of the next step, not at
+        the end of this one: alone, that want is its next token, read after a forward, and
+        the block just committed would reach the caller a forward late."""
         self._drop()
         self._clock()
         for one in self.lanes:
             one.decoder.together = len(self.lanes) > 1
+        for one in [one for one in self.lanes if one.streamed]:
+            one.streamed = False          # on to its next want, planned knowing its company
+            one.decoder.company = self._company(one)
+            one.send(None)
         self._size()
         if any(isinstance(one.want, RequestBlock) for one in self.lanes):
             self._forward()
         if any(isinstance(one.want, Read) for one in self.lanes):
             self._read()
-        out, going = [], []
+        out = []
         for one in self.lanes:
             if isinstance(one.want, list) and not one.done:
                 one.pace += PACE_EMA * (len(one.want) - one.pace)
@@ -159,11 +167,7 @@ class Batch:
                 if r is not None:
                     one.last = r
                     out.append((one, r))
-                if not one.done:
-                    going.append(one)
-        for one in going:        # on to its next want, planned knowing its company
-            one.decoder.company = self._company(one)
-            one.send(None)
+                one.streamed = not one.done
         out += [(one, one.error) for one in self.lanes if one.error is not None]
         self._drop()
         return out
