@@ -124,6 +124,7 @@ def mlx_lm_batch(family: Family) -> Callable:
         gen = BatchGenerator(model, max_tokens=max_tokens, sampler=sampler,
                              stop_tokens=[[t] for t in eos])
         t0, waiting, got, of = time.perf_counter(), deque(enumerate(prompts)), {}, {}
+        finished = 0                              # requests that ended
 
         def admit() -> None:
             while waiting and len(got) - finished < clients:
@@ -132,7 +133,6 @@ def mlx_lm_batch(family: Family) -> Callable:
                 uid, = gen.insert([family.tokenizer.encode(p["prompt"])], [max_tokens])
                 of[uid] = i
 
-        finished = 0
         admit()
         while responses := gen.next_generated():
             now = time.perf_counter() - t0
