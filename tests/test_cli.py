@@ -168,17 +168,22 @@ def test_bench_concurrency_small_run(tmp_path):
     prompts = len(report["served"]) // len(rows)
     assert all(x["requests"] == prompts for x in rows.values())
     assert report["meta"]["mlx_lm_batch_differs"] is not None
-    for key in rows:
-        closed_loop(key[2], [x for x in report["served"]
-                             if (x["engine"], x["strategy"], x["concurrency"]) == key])
+    closed_loops(report["served"], rows)
     assert "x1.00 vs serial" in r.output
     r = run("bench", "--prompts", str(SUITE), "--concurrency", "2,x", "--json", str(out))
     assert r.exit_code == 2 and "--concurrency" in r.output
 
 
+def closed_loops(report_served: list[dict], keys) -> None:
+    """The bench's load in each (engine, strategy, concurrency) run: as many requests sent
+    at the start as the concurrency, each later one sent when an earlier one was answered,
+    and never more in flight."""
+    for key in keys:
+        closed_loop(key[2], [x for x in report_served
+                             if (x["engine"], x["strategy"], x["concurrency"]) == key])
+
+
 def closed_loop(clients: int, served: list[dict]) -> None:
-    """The bench's load: `clients` requests sent at the start, each later one sent when an
-    earlier one was answered, and never more than `clients` in flight."""
     by_sent = sorted(served, key=lambda x: x["sent"])
     assert len(by_sent) > clients
     assert all(x["sent"] <= x["first"] <= x["last"] for x in served)
@@ -190,7 +195,7 @@ def closed_loop(clients: int, served: list[dict]) -> None:
 
 def test_bench_concurrency_over_http(tmp_path):
     """`bench --concurrency --http`: three server processes (ours one at a time and batching,
-    mlx_lm.server) answer every wave, streamed; every request's text under greedy decoding
+    mlx_lm.server) answer every request of the closed loop, streamed; every request's text under greedy decoding
     equals the one-at-a-time server's `ar`; token counts are the servers' usage; `--http`
     without `--concurrency` is refused."""
     out = tmp_path / "http.json"
@@ -204,9 +209,7 @@ def test_bench_concurrency_over_http(tmp_path):
     served = report["served"]
     assert served and all(0 < x["count"] <= 6 and x["text"] for x in served)
     assert report["meta"]["over_http"]
-    for key in rows:
-        closed_loop(key[2], [x for x in served
-                             if (x["engine"], x["strategy"], x["concurrency"]) == key])
+    closed_loops(served, rows)
     assert report["meta"]["mlx_lm_server_differs"] == 0      # our compute dtype, same tokens
     ours = {}
     for x in served:
