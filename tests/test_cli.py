@@ -195,9 +195,9 @@ def closed_loop(clients: int, served: list[dict]) -> None:
 
 def test_bench_concurrency_over_http(tmp_path):
     """`bench --concurrency --http`: three server processes (ours one at a time and batching,
-    mlx_lm.server) answer every request of the closed loop, streamed; every request's text under greedy decoding
-    equals the one-at-a-time server's `ar`; token counts are the servers' usage; `--http`
-    without `--concurrency` is refused."""
+    mlx_lm.server) answer every request of the closed loop, streamed; every request's text
+    under greedy decoding equals the one-at-a-time server's `ar`; token counts are the
+    servers' usage; `--http` without `--concurrency` is refused."""
     out = tmp_path / "http.json"
     r = run("bench", "--prompts", str(SUITE), "--strategies", "ar,ngram", "--per-category",
             "1", "--max-tokens", "6", "--concurrency", "1,2", "--http", "--json", str(out))
