@@ -383,23 +383,56 @@ def test_draft_model_none_runs_treegraft_as_the_ngram_tree():
     assert r.stdout.count(">> ") == 3                 # two replies, then /quit
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
-def test_a_strategy_that_needs_a_strong_drafter_is_refused_before_loading(command, tmp_path,
-                                                                            monkeypatch):
-    """`draft` and `chain:k` with `--draft-model none`: refused with exit 1, no weights
-    loaded and nothing measured."""
-    loaded, measured = [], []
+@pytest.fixture
+def loads(monkeypatch, tmp_path) -> dict[str, list]:
+    """The weights loaded (family.load_model) and the step costs measured while the test
+    runs (scripted costs stand in for the measurement); `serve` returns at once."""
+    seen = {"loaded": [], "measured": []}
     real = F.load_model
-    monkeypatch.setattr(F, "load_model", lambda *a, **k: loaded.append(a) or real(*a, **k))
+    monkeypatch.setattr(F, "load_model",
+                        lambda *a, **k: seen["loaded"].append(a[0]) or real(*a, **k))
     monkeypatch.setattr(probe, "measure_step_costs",
-                        lambda *a: measured.append(a) or scripted_step_costs())
+                        lambda *a: seen["measured"].append(a) or scripted_step_costs())
     monkeypatch.setattr(server_mod, "make_server", lambda *a: IdleServer())
     monkeypatch.setenv("TREEGRAFT_CACHE", str(tmp_path))
-    for strategy in ("draft", "chain:2"):
-        r = run_once(command, *NO_DRAFTER, "--strategy", strategy)
-        assert r.exit_code == 1, r.output
-        assert f"strategy {strategy!r} needs a strong drafter" in r.output
-        assert loaded == [] and measured == [], strategy
+    return seen
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_strategy_that_needs_a_strong_drafter_is_refused_before_loading(command, loads):
+    """`draft` and `chain:k` with `--draft-model none`, on a plain target, on a bundle that
+    names its own drafter, and on the default model (that bundle): refused with exit 1, no
+    weights loaded and nothing measured."""
+    runs = (NO_DRAFTER, ("--model", str(fixture_path()), "--draft-model", "none"),
+            ("--draft-model", "none"))
+    for args in runs:
+        for strategy in ("draft", "chain:2"):
+            r = run_once(command, *args, "--strategy", strategy)
+            assert r.exit_code == 1, (args, r.output)
+            assert f"strategy {strategy!r} needs a strong drafter" in r.output, args
+            assert loads == {"loaded": [], "measured": []}, (args, strategy)
+
+
+def test_draft_model_none_leaves_out_a_bundles_own_drafter(loads):
+    """On a bundle (the default model, or named), `--draft-model none` loads the target
+    alone: the bundle's drafter is not loaded and `treegraft` makes no drafter call."""
+    for args in (("--draft-model", "none"), ("--model", str(fixture_path()), "--draft-model",
+                                             "none")):
+        loads["loaded"].clear()
+        r = run("generate", *args, "--prompt", "def add(a, b):", "--max-tokens", "8", "--json")
+        assert r.exit_code == 0, (args, r.output)
+        assert [Path(p).name for p in loads["loaded"]] == ["target"], args
+        assert json.loads(r.stdout)["drafter_calls"] == 0, args
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_strategy_the_loaded_family_cannot_run_is_refused_before_measuring(command, loads):
+    """`mtp` on a target without an MTP head: exit 1 with the reason, and no step cost
+    measured (what `--strategy` needs is known once the weights are read)."""
+    r = run_once(command, "--strategy", "mtp")
+    assert r.exit_code == 1, r.output
+    assert "needs the target's multi-token-prediction head" in r.output
+    assert loads["loaded"] and loads["measured"] == []
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])

@@ -109,9 +109,12 @@ def sampling_options(f):
 def load_family(source: ModelSource, strategy: Optional[str] = None):
     """The family to generate with; None on a pipeline rank other than 0, once rank 0 is done
     (it served its layers meanwhile). A `strategy` given is checked against the drafters the
-    run will have before anything loads (refuse_without_drafter)."""
+    run will have before anything loads (refuse_without_drafter), and against the loaded
+    family (an MTP head, a drafter that can rewind) before any cost is measured."""
     from .convert import ConvertError
-    from .engine import load
+    from .engine import load, warm_up
+    from .strategy import parse_strategy, runs_on
+    from .family import NO_DRAFTER, drafters_off
     from .pairing import choose_models
     from .pipeline import PipelineError
 
@@ -122,12 +125,22 @@ def load_family(source: ModelSource, strategy: Optional[str] = None):
             models = choose_models(source.model, source.draft_models, source.revision,
                                    source.q_bits, log=lambda line: click.echo(line, err=True))
             target, drafters = models.target, models.drafters
+        if drafters_off(source.draft_models):       # a bundle's own drafters left out too
+            drafters = NO_DRAFTER
         if strategy is not None:
             refuse_without_drafter(strategy, target, drafters)
-        return load(target, drafters=drafters, autotune=source.autotune,
-                    pipeline=source.pipeline)
+        family = load(target, drafters=drafters, autotune=source.autotune, warmup=False,
+                      pipeline=source.pipeline)
     except (LoadError, MemoryError, PipelineError, ConvertError) as e:
         raise click.ClickException(str(e)) from None
+    if family is not None and strategy is not None:
+        try:
+            runs_on(parse_strategy(strategy), family)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+    if family is not None and source.autotune:
+        warm_up(family)
+    return family
 
 
 def refuse_without_drafter(strategy: str, target, drafters) -> None:
@@ -135,9 +148,9 @@ def refuse_without_drafter(strategy: str, target, drafters) -> None:
     or none fits the target), is refused before any weights load or any cost is measured:
     only the configs have been read. `treegraft` runs there as the n-gram tree."""
     from .strategy import for_family, parse_strategy
-    from .family import bundle_drafters
+    from .family import bundle_drafters, drafters_off
 
-    if drafters or bundle_drafters(target):
+    if not drafters_off(drafters) and (drafters or bundle_drafters(target)):
         return
     try:
         needs = for_family(parse_strategy(strategy), has_strong=False, has_mtp=False)

@@ -48,7 +48,7 @@ class Decoder:
                  rng: np.random.Generator, schedule: Optional[Schedule] = None,
                  costs: Optional[StepCosts] = None, timing: Optional[Timing] = None,
                  trace: Optional[Callable[[str], None]] = None, together: bool = False):
-        strategy = runs_on(strategy, session)
+        strategy = runs_on(strategy, session.family)
         self.together = together
         self.company: Optional[Company] = None   # the others in the batch (batch.py sets it)
         self.session, self.strategy, self.settings, self.rng = session, strategy, settings, rng

@@ -172,7 +172,8 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
     With `pipeline` (under mlx.launch) the target is split over the ranks (pipeline.py); on
     ranks other than 0 this serves rank 0 until it stops and returns None. A Hub repo id is
     downloaded on first use (`revision` pins it); drafters="auto" picks the strong drafter
-    (pairing.py) and prints one line on what it picked."""
+    (pairing.py) and prints one line on what it picked; drafters="none" loads none, a
+    bundle's own included (the n-gram drafter alone serves)."""
     if drafters == "auto":
         models = choose_models(target_path_or_bundle, (), revision,
                                log=lambda line: print(line, file=sys.stderr))
@@ -190,8 +191,16 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
     if not autotune:
         family.tree = dataclasses.replace(family.tree, adaptive=False)
     elif warmup:
-        probe.step_costs(family, family.tree)
-        if family.strong is not None:
-            probe.scheduler_timing(family, family.tree)
+        warm_up(family)
     return family
+
+
+def warm_up(family: Family) -> None:
+    """Measure what this device's steps cost (and, with a strong drafter, what a call of it
+    costs) unless cached: what `load` does with `warmup`, for a caller that first checks the
+    family (a command refuses a strategy the family cannot run before seconds of
+    measuring)."""
+    probe.step_costs(family, family.tree)
+    if family.strong is not None:
+        probe.scheduler_timing(family, family.tree)
 

@@ -18,6 +18,10 @@ from .models import Model
 from .pricing import Learned
 from .scheduler import load_artifact
 
+# `--draft-model none`, as a drafters argument: no strong drafter at all, a bundle's own
+# included (the n-gram drafter alone serves).
+NO_DRAFTER = "none"
+
 if TYPE_CHECKING:                 # pipeline.start builds a family: no import back at run time
     from .pipeline import PipelineTarget
 
@@ -129,11 +133,14 @@ def target_dir(target_path_or_bundle: Union[str, Path]) -> Path:
 
 
 def load_family(target_path_or_bundle: Union[str, Path],
-                drafters: Sequence[Union[str, Path]] = (), tree: Optional[TreeConfig] = None,
-                target_stage=None, **model_kwargs) -> Family:
-    """Load a family from a bundle directory (with treegraft.json) or a target plus drafters.
+                drafters: Union[Sequence[Union[str, Path]], str] = (),
+                tree: Optional[TreeConfig] = None, target_stage=None, **model_kwargs) -> Family:
+    """Load a family from a bundle directory (with treegraft.json) or a target plus drafters
+    (named drafters join a bundle's own; NO_DRAFTER leaves out every one, a bundle's too).
     (`treegraft_mlx.load` also measures this device's costs on first use.) target_stage: load
     only a pipeline stage of the target (`pipeline.Stage`)."""
+    own = not drafters_off(drafters)
+    drafters = drafters if own else ()
     root = resolve_path(target_path_or_bundle)
     manifest_file = root / "treegraft.json"
     settings, scheduler_dir, sampled_dir = {}, None, None
@@ -141,7 +148,7 @@ def load_family(target_path_or_bundle: Union[str, Path],
     if manifest_file.exists():
         manifest = family_manifest(root)
         target_dir = root / manifest["target"]
-        drafter_dirs = bundle_drafters(root, manifest)
+        drafter_dirs = bundle_drafters(root, manifest) if own else []
         settings = manifest.get("tree", {})
         scheduler_dir = bundle_scheduler(root, manifest)
         sampled_dir = bundle_scheduler(root, manifest, sampled=True)
@@ -167,6 +174,11 @@ def load_family(target_path_or_bundle: Union[str, Path],
         tree = TreeConfig(**{k: v for k, v in settings.items() if k in TreeConfig.__dataclass_fields__})
     return Family(target, tokenizer, loaded, tree, root, paths, scheduler_dir, sampled_dir,
                   acceptance)
+
+
+def drafters_off(drafters) -> bool:
+    """Whether a drafters argument is NO_DRAFTER (alone, or as the one name given)."""
+    return drafters == NO_DRAFTER or [str(d) for d in drafters] == [NO_DRAFTER]
 
 
 def bundle_drafters(root: Path, manifest: Optional[dict] = None) -> list[tuple[str, Path]]:

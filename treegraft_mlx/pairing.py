@@ -18,12 +18,11 @@ from typing import Callable, Optional, Sequence, Union
 from . import hub
 from .convert.cached import quantized_once
 from .errors import LoadError
-from .family import check_same_tokenizer
+from .family import check_same_tokenizer, drafters_off
 from .loading import has_tokenizer, load_tokenizer, read_config, weight_files
 from .models import SUPPORTED_MODEL_TYPES
 
 PAIRS_FILE = Path(__file__).with_name("pairs.json")
-NO_DRAFTER = "none"
 # model types that share one family's tokenizers
 FAMILY_OF = {"qwen3_moe": "qwen3", "gemma3_text": "gemma3", "mixtral": "mistral",
              "gemma4_text": "gemma4", "gemma4_assistant": "gemma4"}
@@ -164,7 +163,7 @@ def choose_models(model: Union[str, Path], draft_models: Sequence[Union[str, Pat
     bundle (treegraft.json) names its own drafters, so none is chosen for it."""
     target = hub.resolve_path(model, revision)
     named = [str(d) for d in draft_models]
-    if named == [NO_DRAFTER]:
+    if drafters_off(named):
         drafters, note = [], "drafter: none (--draft-model none); the n-gram drafter alone serves"
     elif named or (target / "treegraft.json").exists():
         drafters, note = [hub.resolve_path(d) for d in named], None

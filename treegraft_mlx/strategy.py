@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from .family import TreeConfig
+from .family import Family, TreeConfig
 from .sampling import SamplerSettings
 from .scheduler import Schedule, parse_layers
 
@@ -112,18 +112,19 @@ def for_family(strategy: Strategy, has_strong: bool, has_mtp: bool) -> Strategy:
     return strategy
 
 
-def runs_on(strategy: Strategy, session: Session) -> Strategy:
-    """The strategy as the session's family runs it (for_family); a ValueError says why one
-    its drafters cannot run is refused."""
-    strategy = for_family(strategy, session.strong is not None, session.mtp is not None)
-    if strategy.needs_strong and session.strong is None:
+def runs_on(strategy: Strategy, family: Family) -> Strategy:
+    """The strategy as the family runs it (for_family); a ValueError says why one its drafters
+    cannot run is refused. Read from the loaded models alone, so a command refuses it before
+    any cost is measured."""
+    strategy = for_family(strategy, family.strong is not None, family.mtp is not None)
+    if strategy.needs_strong and family.strong is None:
         raise ValueError(f"strategy {strategy.name!r} needs a strong drafter; the family has none")
-    if strategy.mtp_chain and session.mtp is None:
+    if strategy.mtp_chain and family.mtp is None:
         raise ValueError(f"strategy {strategy.name!r} needs the target's multi-token-"
                          "prediction head (Qwen 3.5 / Qwen3-Next `mtp.*` weights, which "
                          "mlx_lm's converter drops); this target has none")
-    strong = session.strong.model if session.strong is not None else None
-    if (strategy.combine_layers or strategy.learned) and getattr(strong, "RECURRENT", False):
+    if (strategy.combine_layers or strategy.learned) and getattr(family.strong, "RECURRENT",
+                                                                 False):
         raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
                          "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
                          "draft, treegraft or chain")
