@@ -331,7 +331,8 @@ def test_a_hybrid_drafter_is_probed_and_drafts_for_prompts_of_any_length(pair, m
     """The default `load` (its first-use probe measuring the drafter as it can run: its
     chain), then prompts of 200, 1 and 5 tokens on one session (the later ones shorter than
     the lengths the recurrent caches recorded), two turns each: every strategy a hybrid
-    drafter runs gives `ar`'s tokens, and its drafts are accepted along the way."""
+    drafter runs gives `ar`'s tokens, and its drafts are accepted along the way. A chain
+    longer than the drafter's cache can rewind is refused up front."""
     family = load(pair[0], drafters=[pair[1]])
     assert probe.scheduler_timing(family, family.tree).t_mid_ms > 0
     rng = np.random.default_rng(0)
@@ -346,6 +347,8 @@ def test_a_hybrid_drafter_is_probed_and_drafts_for_prompts_of_any_length(pair, m
                 accepted += sum(s.accepted for s in got.step_stats)
                 ids = ids + got.token_ids + [17, 29]
         assert accepted > 0, strategy
+    with pytest.raises(ValueError, match="a chain of at most 15"):   # not a rewind error
+        generate(family, prompts[2], "chain:16", max_tokens=4)
 
 
 def test_a_tokenizer_mismatch_names_the_class_each_side_loaded(pair, tmp_path):

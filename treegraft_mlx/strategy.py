@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from .family import Family, TreeConfig
+from .models.hybrid import SNAPSHOTS
 from .sampling import SamplerSettings
 from .scheduler import Schedule, parse_layers
 
@@ -128,6 +129,11 @@ def runs_on(strategy: Strategy, family: Family) -> Strategy:
         raise ValueError(f"strategy {strategy.name!r} expands tree layers with the strong "
                          "drafter, which a hybrid (recurrent) drafter cannot rewind: use "
                          "draft, treegraft or chain")
+    if (strategy.kind == "chain" and strategy.chain_k >= SNAPSHOTS
+            and getattr(family.strong, "RECURRENT", False)):
+        raise ValueError(f"chain:{strategy.chain_k} rewinds a hybrid (recurrent) drafter "
+                         f"further than the {SNAPSHOTS} states its cache keeps: use a chain "
+                         f"of at most {SNAPSHOTS - 1}")
     return strategy
 
 
