@@ -89,6 +89,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("sample-draft-always-passes", V,
            "took = float(rng.random() * qr[child] < dist[child])", "took = 1.0",
            "every sampled draft accepted without the min(1, p/q) test", LOSSLESS),
+    Mutant("residual-forgotten", V, "    r = lib.maximum(p - q, 0.0)\n", "    r = p\n",
+           "after rejecting a sampled draft, the draw comes from p again, not from the "
+           "residual max(p - q, 0) (it may return the rejected draft)", LOSSLESS),
     Mutant("device-draft-always-passes", V,
            "passed = has & (mx.random.uniform(shape=px.shape, key=key_u) * qx < px)",
            "passed = has", "on the device: every sampled draft accepted without its test",
