@@ -10,6 +10,8 @@ accepts in numpy (verify.queue_verdict), still in one wait.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -115,6 +117,19 @@ def test_every_readback_entry_point_is_counted():
     assert waits.count == 8
     assert waits.nbytes == 4 + 16 + 4 + 4 + 4 + 16 + 16
     assert mx.eval.__name__ == "eval" and np.array.__name__ == "array"   # restored
+
+
+def test_seconds_are_the_time_inside_waits_only():
+    """A lazy product computed inside the wait counts; host time between waits does not, and
+    queueing one (mx.async_eval) is timed apart, no wait."""
+    a = mx.random.normal((512, 512), key=mx.random.key(0))
+    with Waits() as waits:
+        mx.async_eval(a @ a)
+        product = a @ a @ a
+        time.sleep(0.2)                     # host work: no wait
+        np.array(product)
+    assert waits.count == 1 and 0 < waits.seconds < 0.2 and 0 < waits.queueing < 0.2
+    assert mx.async_eval.__name__ == "async_eval"     # restored
 
 
 def test_greedy_output_is_ar_s_in_both_placements(family, placement):

@@ -6,7 +6,11 @@ this CPU to a Mac, where milliseconds do not (docs/design.md §20). So the count
 MLX's own entry points, not from the decoder's bookkeeping: `mx.eval`, `array.item`,
 `array.tolist`, `int()`, `float()` and `bool()` of an array, and numpy's conversions of one
 (`np.array`, `np.asarray`, which read through the buffer protocol and so cannot be wrapped on
-the MLX side). Bytes are what each read returns (nothing for `mx.eval`, which only waits).
+the MLX side). Bytes are what each read returns (nothing for `mx.eval`, which only waits);
+seconds are the time spent inside those calls. `queueing` is the time spent inside
+`mx.async_eval`, which is no wait on a GPU, but MLX's CPU backend keeps only a few ops in
+flight and blocks the caller until a larger graph is nearly computed: on this CPU, seconds
+plus queueing is the device's share of a run, and the rest is the host's.
 
 `Waits` patches those entry points only inside its `with` block, and restores them on exit:
 it is for the trace, the bench and the tests, never left on in a library call.
@@ -14,6 +18,7 @@ it is for the trace, the bench and the tests, never left on in a library call.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,42 +31,58 @@ CONVERSIONS = ("array", "asarray")
 
 @dataclass
 class Waits:
-    """Host waits and bytes read back while active (a context manager; not reentrant)."""
+    """Host waits, bytes read back and seconds spent waiting while active (a context
+    manager; not reentrant)."""
 
     count: int = 0
     nbytes: int = 0
+    seconds: float = 0.0
+    queueing: float = 0.0
     _saved: dict = field(default_factory=dict)
 
-    def _note(self, x) -> None:
+    def _timed(self, original: Callable, nbytes: int, *args, **kwargs):
         self.count += 1
-        self.nbytes += x.nbytes if isinstance(x, mx.array) else 0
+        self.nbytes += nbytes
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
     def _method(self, original: Callable) -> Callable:
         def wrapped(x, *args, **kwargs):
-            self._note(x)
-            return original(x, *args, **kwargs)
+            return self._timed(original, x.nbytes, x, *args, **kwargs)
         return wrapped
 
     def _conversion(self, original: Callable) -> Callable:
         def wrapped(x, *args, **kwargs):
             if isinstance(x, mx.array):
-                self._note(x)
+                return self._timed(original, x.nbytes, x, *args, **kwargs)
             return original(x, *args, **kwargs)
         return wrapped
 
     def _eval(self, original: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
+            return self._timed(original, 0, *args, **kwargs)
+        return wrapped
+
+    def _async_eval(self, original: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.queueing += time.perf_counter() - t0
         return wrapped
 
     def __enter__(self) -> "Waits":
         if self._saved:
             raise RuntimeError("Waits is already counting")
-        self._saved = {("mx", "eval"): mx.eval}
+        self._saved = {("mx", "eval"): mx.eval, ("mx", "async_eval"): mx.async_eval}
         self._saved.update({("array", m): getattr(mx.array, m) for m in METHODS})
         self._saved.update({("np", c): getattr(np, c) for c in CONVERSIONS})
         mx.eval = self._eval(mx.eval)
+        mx.async_eval = self._async_eval(mx.async_eval)
         for m in METHODS:
             setattr(mx.array, m, self._method(self._saved["array", m]))
         for c in CONVERSIONS:
