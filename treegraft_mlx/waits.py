@@ -31,8 +31,8 @@ CONVERSIONS = ("array", "asarray")
 
 @dataclass
 class Waits:
-    """Host waits, bytes read back and seconds spent waiting while active (a context
-    manager; not reentrant)."""
+    """Host waits, bytes read back, seconds spent waiting and queueing while active (a
+    context manager; not reentrant)."""
 
     count: int = 0
     nbytes: int = 0
@@ -40,39 +40,39 @@ class Waits:
     queueing: float = 0.0
     _saved: dict = field(default_factory=dict)
 
-    def _timed(self, original: Callable, nbytes: int, *args, **kwargs):
-        self.count += 1
-        self.nbytes += nbytes
+    def _timed(self, total: str, original: Callable, *args, **kwargs):
+        """original(*args, **kwargs), its seconds added to the attribute named `total`."""
         t0 = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+
+    def _wait(self, original: Callable, nbytes: int, *args, **kwargs):
+        self.count += 1
+        self.nbytes += nbytes
+        return self._timed("seconds", original, *args, **kwargs)
 
     def _method(self, original: Callable) -> Callable:
         def wrapped(x, *args, **kwargs):
-            return self._timed(original, x.nbytes, x, *args, **kwargs)
+            return self._wait(original, x.nbytes, x, *args, **kwargs)
         return wrapped
 
     def _conversion(self, original: Callable) -> Callable:
         def wrapped(x, *args, **kwargs):
             if isinstance(x, mx.array):
-                return self._timed(original, x.nbytes, x, *args, **kwargs)
+                return self._wait(original, x.nbytes, x, *args, **kwargs)
             return original(x, *args, **kwargs)
         return wrapped
 
     def _eval(self, original: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            return self._timed(original, 0, *args, **kwargs)
+            return self._wait(original, 0, *args, **kwargs)
         return wrapped
 
     def _async_eval(self, original: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.queueing += time.perf_counter() - t0
+            return self._timed("queueing", original, *args, **kwargs)
         return wrapped
 
     def __enter__(self) -> "Waits":
