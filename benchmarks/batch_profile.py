@@ -1,13 +1,14 @@
-"""Where a batch's time goes: the host's waits on the device against the rest, alone and at N requests.
+"""Where a batch's time goes: the device's share against the host's, alone and at N requests.
 
 Decoding is timed through the batch (bench_concurrency.together, a closed loop of N lanes)
 inside waits.Waits, which times every MLX readback and every mx.async_eval. On MLX's CPU
 backend a graph is computed inside those calls (async_eval blocks until all but a few ops
 are done), so the run splits into the device's share and the host's (building graphs,
 sizing, accepting, streaming). Tokens over the device's share alone is the rate with the
-host's work free or hidden behind the device: the ceiling of what removing host cost gives. Beside it, the ceiling the forward's own curve sets on trees sharing one: a
-request verifying k rows alone against N requests verifying k each in one forward of N*k
-rows, N * c(k) / c(N*k), measured here (timing.verification_latency).
+host's work free or hidden behind the device: the ceiling of what removing host cost gives.
+Beside it, the ceiling the forward's own curve sets on trees sharing one: a request
+verifying k rows alone against N requests verifying k each in one forward of N*k rows,
+N * c(k) / c(N*k), measured here (timing.verification_latency).
 
     python benchmarks/batch_profile.py [--lanes 1,4] [--temp 1.0] [--per-category 2]
 """
@@ -37,10 +38,12 @@ def profile(family, prompts, lanes: int, strategy: str, max_tokens: int,
         out = together(family, prompts, lanes, strategy, max_tokens, settings, seed=0)
         wall = time.perf_counter() - t0
     tokens = sum(len(timed[0]) for timed in out)
-    return {"tokens": tokens, "wall": wall, "device": waits.seconds + waits.queueing, "waits": waits.count}
+    return {"tokens": tokens, "wall": wall, "device": waits.seconds + waits.queueing,
+            "waits": waits.count}
 
 
 def curve_ceiling(family, lanes: int) -> None:
+    """Prints N * c(k) / c(N*k) for k = 1, 2, 4, 8 from one measurement of the curve."""
     sizes = sorted({k * n for k in (1, 2, 4, 8) for n in (1, lanes)})
     c = verification_latency(family.target, sizes=tuple(sizes))
     print(f"\nthe forward's curve: {lanes} requests of k rows in one forward against one alone")
