@@ -33,8 +33,7 @@ from treegraft_mlx import fixture_path, generate, load, probe
 from treegraft_mlx import verify as verify_module
 from treegraft_mlx.batch import decode_together
 from treegraft_mlx.pricing import CallPolicy
-from treegraft_mlx.sampling import SamplerSettings, draw, host_probs
-from treegraft_mlx.verify import Acceptance
+from treegraft_mlx.sampling import SamplerSettings, host_probs
 from treegraft_mlx.session import Session
 from treegraft_mlx.timing import StepCosts
 
@@ -221,7 +220,7 @@ def run_case(family, strategy: str, adaptive: bool, monkeypatch, runs: int = RUN
     for seed, s, toks, stats in generated:
         key = tuple(toks[:3])
         for j in (1, 2, 3):
-            p = host_probs(np.array(rows[key][j]), s)
+            p = host_probs(rows[key][j], s)
             assert p[toks[j]] > 0, (strategy, seed, j, "a filtered token was drawn")
             us.append(pit(p, toks[j], rng))
         for st in stats:
