@@ -310,14 +310,18 @@ def chat(source, strategy, max_tokens, temp, top_p, top_k,
 @click.option("--api-key", envvar="TREEGRAFT_API_KEY", default=None,
               help="Require 'Authorization: Bearer KEY' on /v1/* and /treegraft/* (also "
               "TREEGRAFT_API_KEY).")
+@click.option("--exit-on-stdin-close", is_flag=True,
+              help="Exit when standard input closes: an app that launches the server holds "
+              "it open, so the server never outlives the app (TreegraftKit sets this).")
 def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_queue, max_batch,
-          timeout, api_key) -> None:
-    """OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions) and a
-    chat page at /."""
+          timeout, api_key, exit_on_stdin_close) -> None:
+    """OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions), a chat
+    page at / and /health. Once it listens it prints one line on stderr, `serving MODEL
+    (STRATEGY) on http://HOST:PORT`, with the real port (--port 0 picks a free one)."""
     from pathlib import Path
 
     from .strategy import parse_strategy
-    from .server import ServerConfig, is_loopback, make_server
+    from .server import ServerConfig, is_loopback, make_server, stop_when_closed
 
     try:
         parse_strategy(strategy)
@@ -337,6 +341,8 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
                    "other machines: anyone who reaches it can use the model (pass --api-key)",
                    err=True)
     click.echo(f"serving {model_id} ({strategy}) on http://{host}:{server.server_port}", err=True)
+    if exit_on_stdin_close:
+        stop_when_closed(server, sys.stdin.buffer)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, the
-browser chat page at / (page.py), and /treegraft/config and /treegraft/status for it.
+browser chat page at / (page.py), /treegraft/config and /treegraft/status for it, and
+/health (no key) for a launcher waiting on the model.
 
 Built on the standard library's ThreadingHTTPServer, like mlx_lm's own server: no extra
 dependency, well kept with CPython, and enough for one local user or app. Connections are
@@ -188,6 +189,17 @@ class Generator:
     def busy(self) -> bool:
         """Whether the worker is generating."""
         return bool(self.served.live)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model can take requests: its worker runs and is not stopping."""
+        return self.worker.is_alive() and not self.stopping.is_set()
+
+    def health(self) -> dict:
+        """GET /health (no key needed): whether the model is loaded, for a launcher that
+        waits until the server answers (TreegraftKit's TreegraftServer)."""
+        return {"status": "ok" if self.loaded else "stopping", "loaded": self.loaded,
+                "model": self.config.model_id}
 
     def close(self) -> None:
         """End every generation at its next step and wait for the worker to stop (a process
@@ -450,6 +462,8 @@ def make_handler(gen: Generator):
             try:
                 if asset is not None:
                     self._send(HTTPStatus.OK, asset.body, asset.headers())
+                elif route == "/health":            # needs no key: says only "loaded"
+                    self._json(HTTPStatus.OK, gen.health())
                 elif not self._authorized(route):
                     raise unauthorized()
                 elif route == "/v1/models":
@@ -623,6 +637,22 @@ class Server(ThreadingHTTPServer):
     def server_close(self) -> None:
         super().server_close()
         self.generator.close()
+
+
+def stop_when_closed(server: Server, stream) -> threading.Thread:
+    """Shut `server` down once `stream` (serve's standard input, held open by the app that
+    launched it) ends: the app exited or died, so its helper server does not outlive it."""
+    def watch() -> None:
+        try:
+            while stream.read(DRAIN_CHUNK):
+                pass
+        except (OSError, ValueError):    # closed under us: the same as its end
+            pass
+        server.shutdown()
+
+    thread = threading.Thread(target=watch, name="treegraft-stdin-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def make_server(family: Family, host: str = "127.0.0.1", port: int = 8080,
