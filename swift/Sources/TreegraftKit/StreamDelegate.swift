@@ -46,14 +46,12 @@ final class StreamDelegate: NSObject, URLSessionDataDelegate, @unchecked Sendabl
         if !ended { end(throwing: TreegraftError.invalidResponse("the stream ended before [DONE]")) }
     }
 
-    /// One event: a chunk, the end ([DONE]), or the server's error event.
+    /// One event: a chunk, the end ([DONE]), or a failure (which cancels the request).
     private func handle(_ event: SSEEvent, task: URLSessionTask) {
         guard !ended else { return }
-        if event.data == "[DONE]" { return end(throwing: nil) }
-        let data = Data(event.data.utf8)
-        if let failure = TreegraftError.streamEvent(data) { return end(throwing: failure) }
         do {
-            continuation.yield(try decode(StreamChunkWire.self, from: data).chunk)
+            guard let chunk = try interpret(event) else { return end(throwing: nil) }
+            continuation.yield(chunk)
         } catch {
             end(throwing: error)
             task.cancel()
@@ -64,6 +62,15 @@ final class StreamDelegate: NSObject, URLSessionDataDelegate, @unchecked Sendabl
         ended = true
         continuation.finish(throwing: error)
     }
+}
+
+/// What one event of a stream means: a chunk, or nil for its end ([DONE]); the server's
+/// error event throws TreegraftError.streamFailed, anything undecodable invalidResponse.
+func interpret(_ event: SSEEvent) throws -> ChatChunk? {
+    if event.data == "[DONE]" { return nil }
+    let data = Data(event.data.utf8)
+    if let failure = TreegraftError.streamEvent(data) { throw failure }
+    return try decode(StreamChunkWire.self, from: data).chunk
 }
 
 /// Start a streamed request: chunks arrive as the server sends them. When the consumer

@@ -15,11 +15,16 @@ public struct TreegraftClient: Sendable {
     /// `baseURL` is the server's root (http://127.0.0.1:8080); `apiKey` the server's
     /// --api-key, sent as a bearer token.
     public init(baseURL: URL, apiKey: String? = nil) {
-        self.baseURL = baseURL
-        endpoint = Endpoint(baseURL: baseURL, apiKey: apiKey)
         let configuration = URLSessionConfiguration.ephemeral
         configuration.timeoutIntervalForRequest = 600
         configuration.urlCache = nil
+        self.init(baseURL: baseURL, apiKey: apiKey, configuration: configuration)
+    }
+
+    /// With a session configuration of one's own (tests: a URLProtocol that replays a stream).
+    init(baseURL: URL, apiKey: String?, configuration: URLSessionConfiguration) {
+        self.baseURL = baseURL
+        endpoint = Endpoint(baseURL: baseURL, apiKey: apiKey)
         self.configuration = configuration
     }
 
