@@ -86,8 +86,9 @@ def model_options(f):
                      help="Drafter: path or Hub repo (repeatable; the last is the strong "
                      "drafter). Absent: one is chosen for a target; 'none': the n-gram drafter "
                      "alone.")(f)
-    return click.option("--model", default=None, help="Bundle directory, model directory or "
-                        "Hub repo id, downloaded on first use (default: the bundled tg-tiny "
+    return click.option("--model", default=None, help="Bundle directory, model directory, Hub "
+                        "repo id (downloaded on first use), or a GGUF: a file or a name LM "
+                        "Studio or Ollama shows, converted once (default: the bundled tg-tiny "
                         "family).")(f)
 
 
@@ -506,13 +507,18 @@ def pull(repo, revision) -> None:
 
 @main.command("ls")
 def list_models() -> None:
-    """The models in the local Hugging Face cache treegraft can run, and the drafter each gets."""
+    """The models treegraft can run: those in the local Hugging Face cache, with the drafter
+    each gets, and the GGUF models LM Studio and Ollama keep (run them by the name shown)."""
     from .pairing import cached_models
+    from .stores import stored_models
 
     rows = [(m.repo, f"{m.bytes / 2**30:.2f} GiB", m.quantization, m.drafter)
             for m in cached_models()]
+    rows += [(m.name, f"{m.path.stat().st_size / 2**30:.2f} GiB", f"GGUF ({m.store})",
+              "converted once on first run") for m in stored_models()]
     if not rows:
-        click.echo("no runnable model in the local cache (`treegraft pull REPO` fetches one)")
+        click.echo("no runnable model in the local cache (`treegraft pull REPO` fetches one), "
+                   "nor in LM Studio's or Ollama's model folders")
         return
     rows.insert(0, ("model", "size", "weights", "drafter"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -522,7 +528,8 @@ def list_models() -> None:
 
 @main.command()
 @click.option("--hf-path", required=True,
-              help="Target: local path or Hub repo id (downloaded on first use).")
+              help="Target: local path, Hub repo id (downloaded on first use), or a GGUF "
+              "(file, or a name LM Studio or Ollama shows).")
 @click.option("--draft-hf-path", "draft_paths", multiple=True, help="Drafter (repeatable).")
 @click.option("--mlx-path", required=True, help="Output bundle directory (must not exist).")
 @click.option("-q", "--quantize", is_flag=True, help="Quantize linear and embedding weights.")
@@ -538,23 +545,33 @@ def list_models() -> None:
               help="Context length for the memory estimate.")
 def convert(hf_path, draft_paths, mlx_path, quantize, q_bits, q_group_size, quant_recipe, dtype,
             context) -> None:
-    """Convert a target and its drafters into one MLX TreeGraft bundle."""
+    """Convert a target and its drafters into one MLX TreeGraft bundle. A GGUF (a file, a
+    split set's first file, or a name LM Studio or Ollama shows) is requantized at --q-bits
+    unless --dtype keeps it in float."""
     from .convert import ConvertError, QuantSpec, convert_family
-
-    ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ("q_bits", "q_group_size", "quant_recipe")
-             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
-    if given and not quantize:
-        raise click.UsageError(f"{', '.join(given)} only apply with -q/--quantize")
+    from .convert.gguf import gguf_once, is_gguf
 
     def bar(role: str, n: int):
         return click.progressbar(length=n, label=f"converting {role}", file=sys.stderr)
 
+    def log(m: str) -> None:
+        click.echo(m, err=True)
+
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("q_bits", "q_group_size", "quant_recipe")
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     try:
+        ggufs = [is_gguf(p) for p in (hf_path, *draft_paths)]
+        if any(ggufs) and not quantize and dtype is None:
+            quantize = True          # a GGUF is a quantized model: it stays one by default
+        if given and not quantize:
+            raise click.UsageError(f"{', '.join(given)} only apply with -q/--quantize")
+        hf_path, *draft_paths = [gguf_once(p, None, log, bar) if g else p
+                                 for p, g in zip((hf_path, *draft_paths), ggufs)]
         quant = QuantSpec(int(q_bits), int(q_group_size), quant_recipe) if quantize else None
         convert_family(hf_path, draft_paths, mlx_path, quant, dtype, context,
-                       progress_factory=bar, log=lambda m: click.echo(m, err=True))
-    except ConvertError as e:
+                       progress_factory=bar, log=log)
+    except (ConvertError, LoadError) as e:
         raise click.ClickException(str(e)) from None
 
 

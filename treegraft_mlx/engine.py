@@ -21,10 +21,9 @@ from . import device, probe
 from .decoder import Decoder
 from .step import StepStats
 from .strategy import Strategy, for_family, needs_costs, needs_timing, parse_strategy
-from .family import Family, TreeConfig, load_family
+from .family import Family, TreeConfig, drafters_off, load_family
 from .generate import Prompt, Response, check_context, encode_prompt, stream, summary
-from .hub import resolve_path
-from .pairing import choose_models
+from .pairing import choose_models, model_dir
 from .sampling import SamplerSettings
 from .scheduler import Schedule
 from .session import Session
@@ -171,7 +170,8 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
     `autotune` nothing is measured: steps verify the bundle's fixed tree (budget, pad).
     With `pipeline` (under mlx.launch) the target is split over the ranks (pipeline.py); on
     ranks other than 0 this serves rank 0 until it stops and returns None. A Hub repo id is
-    downloaded on first use (`revision` pins it); drafters="auto" picks the strong drafter
+    downloaded on first use (`revision` pins it), a GGUF converted once (pairing.model_dir);
+    drafters="auto" picks the strong drafter
     (pairing.py) and prints one line on what it picked; drafters="none" loads none, a
     bundle's own included (the n-gram drafter alone serves)."""
     if drafters == "auto":
@@ -179,7 +179,9 @@ def load(target_path_or_bundle: Union[str, Path], drafters: Union[Sequence, str]
                                log=lambda line: print(line, file=sys.stderr))
         target_path_or_bundle, drafters = models.target, models.drafters
     else:
-        target_path_or_bundle = resolve_path(target_path_or_bundle, revision)
+        target_path_or_bundle = model_dir(target_path_or_bundle, revision)
+        if not isinstance(drafters, str) and not drafters_off(drafters):
+            drafters = [model_dir(d) for d in drafters]
     if pipeline:
         from .pipeline import start
 

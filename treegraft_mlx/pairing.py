@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from . import hub
+from . import device, hub
 from .convert.cached import quantized_once
+from .convert.gguf import gguf_once, gguf_path
 from .errors import LoadError
 from .family import check_same_tokenizer, drafters_off
 from .loading import has_tokenizer, load_tokenizer, read_config, weight_files
@@ -160,22 +161,45 @@ def choose_models(model: Union[str, Path], draft_models: Sequence[Union[str, Pat
                   log: Callable[[str], None] = print) -> Models:
     """The target (downloaded on first use; with q_bits, a plain checkpoint is quantized once
     into the cache) and its drafters: those named, none (`none`), or one chosen for it. A
-    bundle (treegraft.json) names its own drafters, so none is chosen for it."""
-    target = hub.resolve_path(model, revision)
+    bundle (treegraft.json) names its own drafters, so none is chosen for it. A GGUF, named
+    by path or by LM Studio's or Ollama's name, is converted once (gguf_bits)."""
+    target = model_dir(model, revision, q_bits, log)
     named = [str(d) for d in draft_models]
     if drafters_off(named):
         drafters, note = [], "drafter: none (--draft-model none); the n-gram drafter alone serves"
     elif named or (target / "treegraft.json").exists():
-        drafters, note = [hub.resolve_path(d) for d in named], None
+        drafters, note = [model_dir(d, None, q_bits, log) for d in named], None
     else:
         choice = choose_drafter(target, str(model))
         drafters, note = [choice.path] if choice.path else [], choice.line
+        if choice.path and q_bits is not None:
+            drafters = [quantized_once(choice.path, q_bits, log)]
     if note:
         log(note)
-    if q_bits is not None:
-        target = quantized_once(target, q_bits, log)
-        drafters = [quantized_once(d, q_bits, log) for d in drafters]
     return Models(target, tuple(drafters), note)
+
+
+def model_dir(ref: Union[str, Path], revision: Optional[str] = None,
+              q_bits: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
+    """The directory a model reference runs from: a GGUF converted once (gguf_bits), a
+    directory or Hub snapshot as it is, or quantized once to q_bits."""
+    if gguf_path(ref) is not None:
+        return gguf_once(ref, gguf_bits(q_bits, log), log)
+    path = hub.resolve_path(ref, revision)
+    return quantized_once(path, q_bits, log) if q_bits is not None else path
+
+
+def gguf_bits(q_bits: Optional[int], log: Callable[[str], None] = print) -> Optional[int]:
+    """What a GGUF is converted to: the bits asked; else 4 bits on a GPU, as the file's own
+    footprint suggests, and float32 on the CPU, where MLX's quantized matmul runs far slower
+    than reading float weights (None: float32)."""
+    if q_bits is not None:
+        return q_bits
+    if device.on_gpu():
+        return 4
+    log("a GGUF runs in float32 on the CPU (quantized matmul is slower there; --q-bits 4 "
+        "to requantize anyway)")
+    return None
 
 
 def cached_models() -> list[CachedModel]:
