@@ -1,6 +1,12 @@
 /// Launches `treegraft serve` on a free port with a fresh key, waits until its model answers, and stops it.
 import Foundation
 
+/// How a server's process ended: its exit status, or the signal that ended it.
+public enum ProcessExit: Equatable, Sendable {
+    case exited(Int32)
+    case signalled(Int32)
+}
+
 /// A local treegraft server this process started: `treegraft serve --port 0
 /// --exit-on-stdin-close`, with a random API key per launch (passed in the environment, not
 /// on the command line). It stops on stop() and when released, and, because it exits when
@@ -18,6 +24,13 @@ public final class TreegraftServer: Sendable {
 
     /// Whether the process is still running.
     public var isRunning: Bool { child.isRunning }
+
+    /// How the process ended: nil while it runs.
+    public var exit: ProcessExit? {
+        guard !child.isRunning else { return nil }
+        let status = child.process.terminationStatus
+        return child.process.terminationReason == .exit ? .exited(status) : .signalled(status)
+    }
 
     private init(child: ChildProcess, url: URL, apiKey: String) {
         self.child = child
