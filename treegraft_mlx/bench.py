@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -54,6 +54,7 @@ class Run:
     ttft_s: float = 0.0            # time to first token (prefill included)
     waits: int = 0                 # host waits on the device (waits.Waits), prefill included
     read_bytes: int = 0            # bytes those waits read back
+    drafter_calls: int = 0         # forwards of the strong drafter (or drafter head)
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -125,7 +126,7 @@ def _mlx_lm_runner(family: Family, settings: SamplerSettings):
 
     def run(prompt: str, max_tokens: int, draft: Optional[int]):
         ids = family.tokenizer.encode(prompt)
-        toks, last, ttft = [], None, 0.0
+        toks, last, ttft, forwards = [], None, 0.0, 0
         kwargs = {}
         if draft:
             strong = list(family.drafters)[-1]
@@ -138,8 +139,9 @@ def _mlx_lm_runner(family: Family, settings: SamplerSettings):
             if r.token in family.tokenizer.eos_token_ids:
                 break
             toks.append(r.token)
+            forwards += not getattr(r, "from_draft", False)   # one target token a forward
             last = r
-        return toks, (last.generation_tps if last else 0.0), ttft
+        return toks, (last.generation_tps if last else 0.0), ttft, forwards
 
     return run
 
@@ -147,14 +149,18 @@ def _mlx_lm_runner(family: Family, settings: SamplerSettings):
 def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_tokens: int,
               repeat: int = 1, warmup: int = 1, settings: SamplerSettings = SamplerSettings(),
               seed: int = 0, tree: Optional[TreeConfig] = None,
-              progress: Optional[Callable[[int], None]] = None) -> list[Run]:
+              progress: Optional[Callable[[int], None]] = None,
+              spec_ks: Sequence[int] = MLX_LM_SPEC_KS, done: Optional[dict] = None,
+              on_run: Optional[Callable[[Run], None]] = None) -> list[Run]:
     """All (repeat, prompt, strategy) runs; strategies alternate order between repeats.
 
     A strategy suffixed `@paper` (e.g. `treegraft@paper`) runs with the paper's default tree
     (budget 64, top_k 10, depth 5, every step pruned to the budget) instead of the bundle's
     calibrated one, to show what the calibration buys on this device; `@budget` runs the
     bundle's tree pruned to its fixed budget every step, to show what per-step sizing buys.
-    `mlx_lm_spec` runs every num_draft_tokens in 1..8 (summarize picks from them).
+    `mlx_lm_spec` runs every num_draft_tokens in `spec_ks` (summarize picks from them).
+    `done` holds runs of an interrupted bench by (prompt id, strategy, repeat): those are
+    reused, not run again; `on_run` sees each new run as it ends (a checkpoint).
     """
     mlx_run = _mlx_lm_runner(family, settings)
     runs: list[Run] = []
@@ -162,12 +168,12 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
     def one(p: dict, s: str, r: int) -> Run:
         if s in ("mlx_lm", "mlx_lm_spec"):
             per_k = {}
-            for k in (MLX_LM_SPEC_KS if s == "mlx_lm_spec" else [None]):
+            for k in (spec_ks if s == "mlx_lm_spec" else [None]):
                 mx.random.seed(seed)
                 with Waits() as waits:
-                    toks, tps, ttft = mlx_run(p["prompt"], max_tokens, k)
-                per_k[k] = [len(toks), tps, waits.count, waits.nbytes]
-            return Run(p["id"], p["category"], s, r, len(toks), 0, 0.0, tps, toks,
+                    toks, tps, ttft, forwards = mlx_run(p["prompt"], max_tokens, k)
+                per_k[k] = [len(toks), tps, waits.count, waits.nbytes, forwards]
+            return Run(p["id"], p["category"], s, r, len(toks), forwards - 1, 0.0, tps, toks,
                        per_k=per_k if s == "mlx_lm_spec" else None, ttft_s=ttft,
                        waits=waits.count, read_bytes=waits.nbytes)
         name, shape = s.split("@", 1) if "@" in s else (s, None)
@@ -185,7 +191,7 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
                    sum(x.t_accept for x in st), sum(x.t_schedule for x in st),
                    sum(x.rows for x in st), loop_steps=loops[0], loop_tokens=loops[1],
                    ttft_s=res.time_to_first_token, waits=waits.count,
-                   read_bytes=waits.nbytes)
+                   read_bytes=waits.nbytes, drafter_calls=res.drafter_calls)
 
     for p in prompts[:warmup]:
         for s in strategies:
@@ -194,10 +200,37 @@ def run_bench(family: Family, prompts: list[dict], strategies: list[str], max_to
         order = strategies if r % 2 == 0 else strategies[::-1]
         for p in prompts:
             for s in order:
-                runs.append(one(p, s, r))
+                run = (done or {}).get((p["id"], s, r))
+                if run is None:
+                    run = one(p, s, r)
+                    if on_run:
+                        on_run(run)
+                runs.append(run)
                 if progress:
                     progress(1)
     return runs
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The runs a checkpoint file (one JSON Run a line) holds, by (prompt id, strategy,
+    repeat); a line cut short by an interrupted write is dropped."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                run = Run(**json.loads(line))
+            except (json.JSONDecodeError, TypeError):
+                continue
+            if run.per_k:
+                run.per_k = {int(k) if k not in (None, "null") else None: v
+                             for k, v in run.per_k.items()}
+            done[(run.prompt_id, run.strategy, run.repeat)] = run
+    return done
+
+
+def append_checkpoint(path: Path, run: Run) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(dataclasses.asdict(run)) + "\n")
 
 
 def check_greedy(runs: list[Run]) -> list[str]:
@@ -227,11 +260,11 @@ def spec_runs(runs: list[Run]) -> list[Run]:
     for r in spec:
         oracle = max(ks, key=lambda k: r.per_k[k][1])
         for name, k in (("mlx_lm_spec", best_k), ("mlx_lm_spec_oracle", oracle)):
-            tokens, tps, *counts = r.per_k[k]          # counts: waits, bytes (newer runs)
-            waits, nbytes = counts if counts else (0, 0)
+            tokens, tps, *counts = r.per_k[k]   # counts: waits, bytes, forwards (newer runs)
+            waits, nbytes, forwards = (list(counts) + [0, 0, 0])[:3]
             out.append(dataclasses.replace(r, strategy=name, tokens=tokens, tokens_per_sec=tps,
                                            per_k={k: r.per_k[k]}, waits=waits,
-                                           read_bytes=nbytes))
+                                           read_bytes=nbytes, steps=max(0, forwards - 1)))
     return out
 
 
@@ -242,7 +275,7 @@ def summarize(runs: list[Run]) -> dict:
     agg = defaultdict(lambda: {"tokens": 0, "time": 0.0, "steps": 0, "rows": 0, "draft": 0.0,
                                "verify": 0.0, "accept": 0.0, "schedule": 0.0, "n": 0,
                                "loop_steps": 0, "loop_tokens": 0, "ttft": 0.0, "waits": 0,
-                               "read_bytes": 0})
+                               "read_bytes": 0, "drafter_calls": 0})
     for r in runs:
         for cat in (r.category, "all"):
             a = agg[(r.strategy, cat)]
@@ -259,6 +292,7 @@ def summarize(runs: list[Run]) -> dict:
             a["ttft"] += r.ttft_s
             a["waits"] += r.waits
             a["read_bytes"] += r.read_bytes
+            a["drafter_calls"] += r.drafter_calls
             a["n"] += 1
     out: dict = defaultdict(dict)
     for (s, cat), a in agg.items():
@@ -271,6 +305,12 @@ def summarize(runs: list[Run]) -> dict:
                        "schedule_s": a["schedule"],
                        "schedule_share": a["schedule"] / a["time"] if a["time"] else 0.0,
                        "ttft_s": a["ttft"] / a["n"], "runs": a["n"],
+                       # what transfers to another machine as it is: the target's forwards
+                       # (the prefill's included) and the strong drafter's, per token
+                       "tokens_per_forward": (a["tokens"] / (a["steps"] + a["n"])
+                                              if a["steps"] else None),
+                       "drafter_calls_per_token": (a["drafter_calls"] / a["tokens"]
+                                                   if a["tokens"] else None),
                        # per generated token, prefill included: comparable with mlx_lm's,
                        # whose forwards are not counted (its speculative steps are unseen)
                        "waits_per_token": a["waits"] / a["tokens"] if a["tokens"] else None,

@@ -380,9 +380,14 @@ def serve(source, strategy, host, port, max_tokens_limit, max_body_bytes, max_qu
 @click.option("--http", "over_http", is_flag=True,
               help="With --concurrency: over HTTP, each engine a server process of its own "
               "(treegraft serve one at a time and batching, mlx_lm.server), streaming.")
+@click.option("--spec-ks", default="1,2,3,4,5,6,7,8", show_default=True,
+              help="The num_draft_tokens values mlx_lm_spec runs (its best is reported).")
+@click.option("--checkpoint", "checkpoint_file", type=click.Path(dir_okay=False), default=None,
+              help="Append each finished run to this file and reuse the runs it already "
+              "holds: an interrupted bench goes on where it stopped.")
 def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, warmup,
           per_category, temp, top_p, top_k, min_p, seed, budget, json_out, plot_out,
-          concurrency, over_http) -> None:
+          concurrency, over_http, spec_ks, checkpoint_file) -> None:
     """Benchmark strategies side by side (one process, alternating order)."""
     import dataclasses
     from pathlib import Path
@@ -410,10 +415,17 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
                                  levels, max_tokens, repeat, settings, seed, Path(json_out),
                                  model, over_http)
     tree = dataclasses.replace(family.tree, budget=budget) if budget else None
+    checkpoint = Path(checkpoint_file) if checkpoint_file else None
+    done = B.read_checkpoint(checkpoint) if checkpoint else {}
+    if done:
+        click.echo(f"{len(done)} runs reused from {checkpoint}", err=True)
     with click.progressbar(length=len(prompts) * len(names) * repeat, label="bench",
                            file=sys.stderr) as bar:
-        runs = B.run_bench(family, prompts, names, max_tokens, repeat, warmup, settings,
-                           seed, tree, progress=bar.update)
+        runs = B.run_bench(family, prompts, names, max_tokens, repeat, warmup,
+                           settings, seed, tree, progress=bar.update,
+                           spec_ks=parse_levels(spec_ks, "--spec-ks"), done=done,
+                           on_run=(lambda r: B.append_checkpoint(checkpoint, r))
+                           if checkpoint else None)
     meta = {**B.machine_info(), "command": " ".join(sys.argv), **dataclasses.asdict(settings),
             "max_tokens": max_tokens, "tree": dataclasses.asdict(tree or family.tree),
             "dtype": str(family.target.model.norm.weight.dtype),
@@ -436,15 +448,15 @@ def bench(prompts_file, strategies, model, draft_models, max_tokens, repeat, war
         raise click.ClickException(f"{len(mismatches)} greedy outputs differ from ar")
 
 
-def parse_levels(text: str) -> list[int]:
-    """--concurrency's list: positive integers, e.g. "1,2,4"."""
+def parse_levels(text: str, option: str = "--concurrency") -> list[int]:
+    """A list option's positive integers, e.g. "1,2,4"."""
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         levels = []
     if not levels or min(levels) < 1:
         raise click.BadParameter(f"expected positive integers like 1,2,4, got {text!r}",
-                                 param_hint="--concurrency")
+                                 param_hint=option)
     return levels
 
 
