@@ -579,6 +579,27 @@ def test_call_policy_recovers_from_a_bad_stretch_without_calls():
     assert policy.peek(0) > 0
 
 
+def test_an_exploration_of_no_call_ends_though_its_steps_are_all_queued_ahead():
+    """The decoder queues a step's forward ahead whenever the policy's next answer is 0, and
+    the step after it runs without asking (pass_by): an exploration of 0, the best being a
+    call, must end after its RUN steps all the same, and the calls resume (before the fix
+    it never ended: sampled `draft` stopped calling for good)."""
+    from treegraft_mlx.pricing import CallPolicy
+
+    policy = CallPolicy()
+    _policy_steps(policy, 0, 300, matched=1)          # a chain of 1 is the best
+    assert policy.best(0) == 1
+    while policy.peek(0) != 0:                        # up to the exploration of 0
+        _policy_steps(policy, 0, 1, matched=1)
+    for steps in range(1, CallPolicy.RUN + 2):         # the decoder's loop: queued ahead
+        assert steps <= CallPolicy.RUN, "the exploration of no call never ended"
+        policy.pass_by(0)
+        policy.observe(0, 0, 1, 12.0)
+        if policy.peek(0) != 0:
+            break
+    assert policy.peek(0) == 1
+
+
 def test_a_priced_step_verifies_the_chain_length_the_policy_picks(family):
     """`draft` queues a chain of exactly the length the call policy answers, verified with
     the tree in one forward (rows: the root and the chain); output stays ar's."""

@@ -296,8 +296,15 @@ class CallPolicy:
         """A step of `bucket` ran without asking (its forward was queued ahead on the bet of
         no call): it counts towards the next exploration, or a policy that stopped calling
         would never explore again (measured: greedy `draft` ran whole generations without a
-        call once its best length was 0)."""
-        self.since[bucket] += 1
+        call once its best length was 0). Where `choose` would have answered 0 (the bet was
+        its answer), the step is that answer, bookkeeping included: an exploration of 0
+        (the best being a call) queues every step ahead, so only steps passed by ran it, and
+        it never ended (measured: sampled `draft` on the real pair and the fixture stopped
+        calling for good after 9 steps, its best length 1 priced above 0 all along)."""
+        if self.peek(bucket) == 0:
+            self.choose(bucket)
+        else:
+            self.since[bucket] += 1
 
     def choose(self, bucket: int) -> int:
         k, due = self.peek(bucket), self._due(bucket)
