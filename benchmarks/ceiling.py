@@ -9,7 +9,7 @@ reported as a share of it. The small LM's chain forwards are not charged to the 
 run queued beside the verification), so the ceiling is a little optimistic where chains are
 accepted. Greedy only: the accepted path of a sampled step depends on the draws.
 
-    python benchmarks/ceiling.py --prompts benchmarks/prompts/public.jsonl [--repeat 2]
+    python benchmarks/ceiling.py --prompts benchmarks/prompts/public.jsonl [--repeat 2] [--model DIR]
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--strategy", default="treegraft")
+    parser.add_argument("--model", default=None,
+                        help="Bundle or model directory (default: the bundled tg-tiny family).")
     args = parser.parse_args()
-    family = load(fixture_path())
+    family = load(args.model or fixture_path())
     costs = probe.step_costs(family, family.tree)
     prompts = first_per_category(read_prompts(args.prompts), args.per_category)
     for p in prompts[:1]:                                   # warm-up

@@ -10,7 +10,12 @@ tree; the wait (the device computing, on this CPU the CPU itself) is reported be
 is the step before the one-readback change, which read each visited node's row back and
 worked on it in numpy (sampling.host_probs and an inverse-CDF draw).
 
-    python benchmarks/host_work.py [--repeat 50]
+With `--model`, a third case runs at that model's vocabulary on its own logits: the rows
+of one forward over a code prompt's last tokens, each node's first child the row's argmax,
+the sampled chain's q the model's processed distribution (real logits are peaked; the
+synthetic ones are not, which changes what top-p keeps).
+
+    python benchmarks/host_work.py [--repeat 50] [--model DIR]
 """
 
 from __future__ import annotations
@@ -56,6 +61,28 @@ def case(vocab: int, rng: np.random.Generator):
     return tree, mx.array(logits), drafts
 
 
+def model_case(path: str, rng: np.random.Generator):
+    """`case`'s tree on a real model's logits (module docstring)."""
+    from treegraft_mlx import load_model
+
+    model, tok = load_model(path)
+    ids = tok.encode("def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n"
+                     "    pivot = arr[len(arr) // 2]\n    left = [x for x in arr if x < pivot]\n")
+    logits = model(mx.array([ids]))[0, -11:].astype(mx.float32)
+    best = np.array(logits.argmax(-1)).tolist()
+    tree = DraftTree.rooted_at(ids[-11])
+    a = tree.add(0, best[0], 0.0)
+    b = tree.add(a, best[1], 0.0)
+    tree.add(b, best[2], 0.0)
+    for t in rng.integers(2, logits.shape[-1], 4).tolist():
+        tree.add(0, int(t), 0.0)
+    n_tree, chain = len(tree), best[:3]
+    tree.append_chain(chain, STRONG, drawn=True)
+    q = mx.softmax(logits[:3] / 0.8, axis=-1)
+    drafts = SampledDrafts([0] + list(range(n_tree, n_tree + 2)), mx.array(chain), q)
+    return tree, logits[:len(tree)], drafts
+
+
 def one_readback(tree, logits, drafts, settings, seed) -> tuple[float, float, int]:
     """Host ms (building the verdict's graph, finishing and walking it), wait ms, nodes
     visited, for the placement verify.on_gpu picks."""
@@ -87,13 +114,17 @@ def row_per_node(tree, logits, settings, rng) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--model", default=None, help="add a case on this model's logits")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    cases = [(f"{v:,}", *case(v, rng)) for v in VOCABS]
+    if args.model:
+        tree, logits, drafts = model_case(args.model, rng)
+        cases.append((f"{logits.shape[-1]:,} (real logits)", tree, logits, drafts))
     print("| vocabulary | regime | verdict placement | host ms a step | wait ms a step "
           "| nodes visited | before: host ms a step (a row per visited node) |")
     print("|---|---|---|---|---|---|---|")
-    for vocab in VOCABS:
-        tree, logits, drafts = case(vocab, rng)
+    for vocab, tree, logits, drafts in cases:
         mx.eval(logits, drafts.q)
         for name, settings in REGIMES.items():
             old = [row_per_node(tree, logits, settings, rng) for _ in range(args.repeat + 3)]
@@ -103,7 +134,7 @@ def main() -> None:
                 new = [one_readback(tree, logits, drafts, settings, i)
                        for i in range(args.repeat + 3)][3:]   # warm-up: first graphs
                 host, wait, visited = np.median(np.array(new), axis=0)
-                print(f"| {vocab:,} | {name} | {placement} | {host:.3f} | {wait:.2f} "
+                print(f"| {vocab} | {name} | {placement} | {host:.3f} | {wait:.2f} "
                       f"| {visited:.0f} | {before:.2f} ({old_visited:.0f} nodes) |")
 
 

@@ -153,6 +153,33 @@ def test_bench_small_run(tmp_path):
     assert len(report["runs"]) == 4 * 3 and report["meta"]["max_tokens"] == 16
 
 
+def test_bench_checkpoint_resumes_and_counts_forwards(tmp_path):
+    """Each finished run goes to the checkpoint; a bench run again reuses the runs it holds
+    (none is run twice: the output equals the first JSON's runs) and a line cut short by an
+    interruption is run again. The summary has what transfers to another machine: tokens per
+    target forward and drafter calls per token (mlx_lm_spec's forwards from its own stream)."""
+    out, ckpt = tmp_path / "bench.json", tmp_path / "bench.jsonl"
+    args = ["bench", "--prompts", str(SUITE), "--strategies", "ar,draft,mlx_lm_spec",
+            "--spec-ks", "2", "--per-category", "1", "--max-tokens", "16", "--warmup", "0",
+            "--json", str(out), "--checkpoint", str(ckpt)]
+    assert run(*args).exit_code == 0
+    first = json.loads(out.read_text())
+    lines = ckpt.read_text().splitlines()
+    assert len(lines) == len(first["runs"]) == 4 * 3
+    ckpt.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])   # the last one cut short
+    r = run(*args)
+    assert r.exit_code == 0 and "11 runs reused" in r.output, r.output
+    again = json.loads(out.read_text())
+    assert [x["token_ids"] for x in again["runs"]] == [x["token_ids"] for x in first["runs"]]
+    assert [x["tokens_per_sec"] for x in again["runs"][:11]] == \
+        [x["tokens_per_sec"] for x in first["runs"][:11]]
+    s = first["summary"]["strategies"]
+    assert s["ar"]["all"]["tokens_per_forward"] == pytest.approx(1.0)
+    assert s["draft"]["all"]["tokens_per_forward"] > 1.0
+    assert s["draft"]["all"]["drafter_calls_per_token"] > 0
+    assert s["ar"]["all"]["drafter_calls_per_token"] == 0
+    assert s["mlx_lm_spec"]["all"]["tokens_per_forward"] > 1.0
+
 def test_bench_concurrency_small_run(tmp_path):
     """`bench --concurrency`: every engine at every level, ratios to the serial server in the
     same run, every request's tokens checked against serial `ar` (greedy); a bad level list
