@@ -163,30 +163,36 @@ def choose_models(model: Union[str, Path], draft_models: Sequence[Union[str, Pat
     into the cache) and its drafters: those named, none (`none`), or one chosen for it. A
     bundle (treegraft.json) names its own drafters, so none is chosen for it. A GGUF, named
     by path or by LM Studio's or Ollama's name, is converted once (gguf_bits)."""
-    target = model_dir(model, revision, q_bits, log)
+    target = source_dir(model, revision, q_bits, log)
     named = [str(d) for d in draft_models]
     if drafters_off(named):
         drafters, note = [], "drafter: none (--draft-model none); the n-gram drafter alone serves"
     elif named or (target / "treegraft.json").exists():
-        drafters, note = [model_dir(d, None, q_bits, log) for d in named], None
+        drafters, note = [source_dir(d, None, q_bits, log) for d in named], None
     else:
         choice = choose_drafter(target, str(model))
         drafters, note = [choice.path] if choice.path else [], choice.line
-        if choice.path and q_bits is not None:
-            drafters = [quantized_once(choice.path, q_bits, log)]
     if note:
         log(note)
+    if q_bits is not None:
+        target = quantized_once(target, q_bits, log)
+        drafters = [quantized_once(d, q_bits, log) for d in drafters]
     return Models(target, tuple(drafters), note)
 
 
 def model_dir(ref: Union[str, Path], revision: Optional[str] = None,
               q_bits: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
-    """The directory a model reference runs from: a GGUF converted once (gguf_bits), a
-    directory or Hub snapshot as it is, or quantized once to q_bits."""
+    """The directory a model reference runs from: source_dir, quantized once to q_bits."""
+    path = source_dir(ref, revision, q_bits, log)
+    return quantized_once(path, q_bits, log) if q_bits is not None else path
+
+
+def source_dir(ref: Union[str, Path], revision: Optional[str] = None,
+               q_bits: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
+    """A GGUF converted once (to gguf_bits), or a directory or Hub snapshot as it is."""
     if gguf_path(ref) is not None:
         return gguf_once(ref, gguf_bits(q_bits, log), log)
-    path = hub.resolve_path(ref, revision)
-    return quantized_once(path, q_bits, log) if q_bits is not None else path
+    return hub.resolve_path(ref, revision)
 
 
 def gguf_bits(q_bits: Optional[int], log: Callable[[str], None] = print) -> Optional[int]:
