@@ -3,8 +3,8 @@ Face-style checkpoint: config, tokenizer and float weights under transformers' n
 
 The file is read with ggml-org's own `gguf` package, which dequantizes every quant type in
 numpy: nothing here parses the format by hand. What llama.cpp's converter changed is undone:
-its tensor names, the Q and K rows of `llama` it permutes for its interleaved RoPE, and the
-`+1` it folds into Gemma's norms. The tokenizer is rebuilt from the vocabulary and merges in
+its tensor names and the Q and K rows of `llama` it permutes for its interleaved RoPE. The
+tokenizer is rebuilt from the vocabulary and merges in
 the metadata with the `tokenizers` library (a byte-level BPE, as every GPT-2-style vocabulary
 is), so that `mlx_lm` and transformers load the result as they load any checkpoint.
 """
@@ -22,12 +22,12 @@ import numpy as np
 from .errors import LoadError
 
 # GGUF architecture -> transformers model_type. `llama` also carries Mistral 7B's files.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-                 "gemma3": "gemma3_text"}
-GEMMA = ("gemma2", "gemma3")
+# Gemma 2/3 and Phi-3 are left out: their GGUF vocabularies are SentencePiece ones, which
+# tokenizer_files does not rebuild yet, so no real file of theirs could load.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
-# Per-layer tensors: llama.cpp's name -> transformers' (Gemma's norms differ, below).
+# Per-layer tensors: llama.cpp's name -> transformers'.
 LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -35,9 +35,6 @@ LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
-                     "ffn_norm": "pre_feedforward_layernorm",
-                     "post_ffw_norm": "post_feedforward_layernorm"}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                 "output": "lm_head"}
 
@@ -86,7 +83,7 @@ class GGUFModel:
 
     def weight(self, t: Tensor, readers) -> np.ndarray:
         """The tensor dequantized to float32, under transformers' layout (Q and K of `llama`
-        un-permuted; Gemma's norms without llama.cpp's +1)."""
+        un-permuted)."""
         from gguf.quants import dequantize
 
         raw = readers[t.part].tensors[_index(readers[t.part], t.source)]
@@ -101,8 +98,6 @@ class GGUFModel:
             heads = self.config["num_attention_heads"] if ".attn_q." in t.source \
                 else self.config["num_key_value_heads"]
             w = unpermute(w, heads)
-        if self.architecture in GEMMA and t.source.endswith("norm.weight"):
-            w = w - 1.0
         return w
 
 
@@ -195,9 +190,8 @@ def _index(reader, name: str) -> int:
 def _tensors(reader, part: int, arch: str, path: Path) -> Iterator[Tensor]:
     from gguf.quants import GGML_QUANT_SIZES
 
-    layer_names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
     for t in reader.tensors:
-        name = hf_name(t.name, layer_names)
+        name = hf_name(t.name, LAYER_NAMES)
         if name is None:
             if t.name in ("rope_freqs.weight",):
                 raise GGUFError(f"{path}: it carries RoPE frequency factors ({t.name}), as "
@@ -252,25 +246,12 @@ def model_config(meta: dict, arch: str, tensors: tuple, tied: bool) -> dict:
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         raise GGUFError(f"RoPE scaling {scaling!r} in the metadata is not supported here yet")
-    if arch in GEMMA:
-        config.update(_gemma_config(get, config))
     return config
-
-
-def _gemma_config(get, config: dict) -> dict:
-    out = {"query_pre_attn_scalar": config.get("head_dim", config["hidden_size"]
-                                               // config["num_attention_heads"]),
-           "sliding_window": int(get("attention.sliding_window", 4096))}
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if get(key) is not None:
-            out[key] = float(get(key))
-    return out
 
 
 def _class_name(arch: str) -> str:
     return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-            "gemma3": "Gemma3ForCausalLM"}[arch]
+            "qwen3": "Qwen3ForCausalLM"}[arch]
 
 
 def tokenizer_files(meta: dict, path: Path) -> tuple[dict, dict, tuple]:
