@@ -16,9 +16,10 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
@@ -235,6 +236,22 @@ def _copy_side_files(src: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+@contextmanager
+def written_beside(out: Path) -> Iterator[Path]:
+    """A new directory beside `out`, renamed to `out` when the block ends and removed when it
+    fails or is interrupted: nothing half-written is ever left at or beside `out`."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise ConvertError(f"cannot write to {out.parent}: {e.strerror}") from None
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def convert_family(target: str, drafters: Sequence[str], out: str, quant: Optional[QuantSpec] = None,
                    dtype: Optional[str] = None, context: int = 4096,
                    progress_factory: Optional[Callable[[str, int], object]] = None,
@@ -257,11 +274,7 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
     _check_family(sources)
 
     before = sum(f.stat().st_size for s in sources for f in s.files)
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise ConvertError(f"cannot write to {parent}: {e.strerror}") from None
-    try:
+    with written_beside(out_path) as tmp:
         total_after, manifest_models = 0, {}
         for s in sources:
             dest = tmp / s.out_dir
@@ -313,9 +326,5 @@ def convert_family(target: str, drafters: Sequence[str], out: str, quant: Option
             "models": manifest_models,
         }
         (tmp / "treegraft.json").write_text(json.dumps(manifest, indent=2))
-        os.replace(tmp, out_path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out_path}: {before / 2**20:.1f} MiB -> {total_after / 2**20:.1f} MiB")
     return out_path

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,7 +22,7 @@ import mlx.core as mx
 from ..gguf_file import GGUFError, read_model
 from ..hub import treegraft_cache
 from ..stores import find_gguf
-from .bundle import DTYPES, SHARD_BYTES, QuantSpec, convert_family
+from .bundle import DTYPES, SHARD_BYTES, QuantSpec, convert_family, written_beside
 
 
 def is_gguf(ref) -> bool:
@@ -96,9 +95,8 @@ def write_checkpoint(path: Path, out: Path, dtype: str = "float32",
     if out.exists():
         raise GGUFError(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+    with written_beside(out) as tmp:
+        tmp.chmod(0o755)
         bar = progress_factory(path.name, len(model.tensors)) if progress_factory else None
         index = _write_shards(model, readers, tmp, DTYPES[dtype], bar)
         if bar is not None:
@@ -110,10 +108,6 @@ def write_checkpoint(path: Path, out: Path, dtype: str = "float32",
                  "tokenizer_config.json": model.tokenizer_config}
         for name, payload in files.items():
             (tmp / name).write_text(json.dumps(payload, indent=1, ensure_ascii=False))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log(f"wrote {out} ({model.architecture}, {len(model.tensors)} tensors, {dtype})")
     return out
 
